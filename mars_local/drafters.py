@@ -1,0 +1,174 @@
+"""Drafters: propose k tokens, then learn from what the target accepted.
+
+Every drafter has the same two-method shape (as transformers'
+``CandidateGenerator``):
+
+``propose(tokens, k) -> Draft``
+    ``tokens`` is every committed token (prompt + generated); the last one is
+    not in the target's cache yet.  Returns at most ``k`` draft tokens and,
+    when they were *sampled*, the distributions they were sampled from.
+``observe(tokens, n_accepted)``
+    called after verification with the new committed tokens, so the drafter
+    can roll back or update its state.
+
+``begin(tokens)`` prepares a new generation (a draft model evaluates the
+prompt here, reusing whatever prefix its cache already holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from .errors import MarsError
+from .sampling import SamplingParams, probabilities, sample_from, top_probability
+
+__all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT"]
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: np.ndarray | None = None  # (k, V) when the tokens were sampled
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY_DRAFT = Draft([])
+
+
+class Drafter:
+    """Base class: proposes nothing (plain decoding through the same loop)."""
+
+    name = "none"
+
+    def begin(self, tokens: list[int]) -> int:
+        """Prepare for a generation; returns the number of tokens evaluated."""
+        return 0
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        return EMPTY_DRAFT
+
+    def observe(self, tokens: list[int], n_accepted: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+NoDrafter = Drafter
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: continue the most recent earlier occurrence of the last n tokens.
+
+    Tries n = max_ngram down to min_ngram and proposes up to k tokens that
+    followed the most recent match.  Deterministic (q is a point mass).
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not (1 <= min_ngram <= max_ngram):
+            raise MarsError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    @staticmethod
+    def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+        n_tok = len(tokens)
+        for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
+            pattern = tokens[-n:]
+            # windows that end before the last token, so a continuation exists
+            windows = sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == pattern).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return [int(t) for t in tokens[start : start + k]]
+        return []
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        if k <= 0 or len(tokens) < 2:
+            return EMPTY_DRAFT
+        return Draft(self.lookup(np.asarray(tokens, dtype=np.int64), k, self.max_ngram, self.min_ngram))
+
+
+class ModelDrafter(Drafter):
+    """A small GGUF model of the same tokenizer, run in its own context.
+
+    sampling="greedy" drafts the argmax (q is a point mass, the cheapest and
+    usually the best-accepted choice); sampling="sample" draws from the draft's
+    distribution under the same pipeline as the target and returns q.
+    p_min stops the draft early when the draft's top-token probability falls
+    below it; drafts shorter than n_min are dropped.
+    """
+
+    name = "model"
+
+    def __init__(
+        self,
+        context,
+        sampling: str = "greedy",
+        params: SamplingParams | None = None,
+        rng: np.random.Generator | None = None,
+        p_min: float = 0.0,
+        n_min: int = 0,
+    ):
+        if sampling not in ("greedy", "sample"):
+            raise MarsError(f"draft sampling must be greedy or sample, got {sampling!r}")
+        self.ctx = context
+        self.sampling = sampling
+        self.params = params or SamplingParams()
+        self.rng = rng or np.random.default_rng()
+        self.p_min = p_min
+        self.n_min = n_min
+        self._base = 0
+
+    def begin(self, tokens: list[int]) -> int:
+        self._base = 0
+        return self.ctx.sync(tokens[:-1])
+
+    def propose(self, tokens: list[int], k: int) -> Draft:
+        ctx = self.ctx
+        self._base = ctx.n_past
+        if k <= 0:
+            return EMPTY_DRAFT
+        k = min(k, ctx.n_ctx - len(tokens) - 1)  # the draft context must hold them too
+        if k <= 0:
+            return EMPTY_DRAFT
+        row = ctx.eval(tokens[ctx.n_past :], 1)[0]  # pending tokens + last
+        sampled = self.sampling == "sample" and not self.params.greedy
+        out: list[int] = []
+        probs = []
+        while True:
+            if self.p_min > 0.0 and top_probability(row) < self.p_min:
+                break
+            if sampled:
+                q = probabilities(row, self.params)
+                tok = sample_from(q, self.rng)
+                probs.append(q)
+            else:
+                tok = int(row.argmax())
+            out.append(tok)
+            if len(out) >= k:
+                break
+            row = ctx.eval([tok], 1)[0]
+        if len(out) < max(self.n_min, 1):
+            return EMPTY_DRAFT
+        return Draft(out, np.stack(probs) if sampled else None)
+
+    def observe(self, tokens: list[int], n_accepted: int) -> None:
+        ctx = self.ctx
+        base = self._base
+        have = ctx.tokens
+        n = min(len(have), len(tokens))
+        keep = base
+        while keep < n and have[keep] == tokens[keep]:
+            keep += 1
+        ctx.truncate(keep)
+
+    def close(self) -> None:
+        self.ctx.close()

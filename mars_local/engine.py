@@ -1,0 +1,294 @@
+"""The speculative decoding loop: draft, verify in one batched target decode, roll back.
+
+Invariant at the top of every round: the target's KV cache holds every
+committed token except the last one (``last``), which is the first row of the
+next verify window ``[last, d_0 .. d_{k-1}]``.  The window asks for k+1 output
+rows; the verification rule accepts a prefix of m drafts and adds one target
+token; the target cache is cut back to ``base + 1 + m`` and the drafter rolls
+its own cache back to the longest prefix it shares with the committed tokens.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from .drafters import EMPTY_DRAFT, Drafter, ModelDrafter, NgramDrafter
+from .errors import MarsError
+from .runtime import Context, Model, check_vocab_compatible
+from .sampling import SamplingParams
+from .stats import SpecStats
+from .verify import VerifyConfig, verify
+
+__all__ = ["Engine", "GenerateConfig", "Generation", "Chunk"]
+
+DRAFTERS = ("model", "ngram", "none")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything that shapes one generation (validated on construction)."""
+
+    max_tokens: int = 256
+    verify: str = "mars"
+    theta: float = 0.9
+    draft_max: int = 8
+    draft_min: int = 0
+    draft_p_min: float = 0.0
+    draft_sampling: str = "greedy"
+    max_relaxed: int | None = None
+    require_positive_top1: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise MarsError(f"the number of tokens to generate must be >= 1, got {self.max_tokens}")
+        if self.draft_max < 0:
+            raise MarsError(f"draft-max must be >= 0, got {self.draft_max}")
+        if self.draft_min < 0 or self.draft_min > max(self.draft_max, 0):
+            raise MarsError(f"draft-min must be in [0, draft-max={self.draft_max}], got {self.draft_min}")
+        if not (0.0 <= self.draft_p_min <= 1.0):
+            raise MarsError(f"draft-p-min must be in [0, 1], got {self.draft_p_min}")
+        if self.draft_sampling not in ("greedy", "sample"):
+            raise MarsError(f"draft sampling must be greedy or sample, got {self.draft_sampling!r}")
+        VerifyConfig(self.verify, self.theta, self.require_positive_top1, self.max_relaxed)  # validates
+
+    @classmethod
+    def make(cls, **kw) -> "GenerateConfig":
+        """Build from flat keyword arguments (sampling fields included)."""
+        s_fields = {f for f in SamplingParams.__dataclass_fields__}
+        s_kw = {k: kw.pop(k) for k in list(kw) if k in s_fields}
+        unknown = set(kw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        base = kw.pop("sampling", None) or SamplingParams()
+        return cls(sampling=replace(base, **s_kw), **kw)
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one round, with how each was produced.
+
+    kinds: "draft" (accepted draft token), "relaxed" (accepted only because of
+    MARS) or "target" (the target's correction or bonus token).
+    """
+
+    tokens: list[int]
+    text: str
+    kinds: list[str]
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    kinds: list[str]
+    stats: SpecStats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}
+
+
+class Engine:
+    """A loaded target (and optional draft) model, ready to generate many times.
+
+    >>> eng = Engine("target.gguf", draft="draft.gguf")          # doctest: +SKIP
+    >>> out = eng.generate("Hello", max_tokens=32, verify="mars")  # doctest: +SKIP
+    >>> out.text, out.stats.mean_accepted_length                  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        target: str | Path,
+        draft: str | Path | None = None,
+        *,
+        drafter: str | None = None,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_gpu_layers: int | None = None,
+        n_gpu_layers_draft: int | None = None,
+        n_threads: int | None = None,
+        ngram_max: int = 3,
+        ngram_min: int = 1,
+    ):
+        if drafter is None:
+            drafter = "model" if draft else "none"
+        if drafter not in DRAFTERS:
+            raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+        if drafter == "model" and not draft:
+            raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)")
+        if drafter != "model" and draft:
+            raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
+        self.drafter_kind = drafter
+        self.target = Model(target, n_gpu_layers)
+        self.ctx = Context(self.target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
+        if drafter != "none" and self.target.recurrent:
+            raise MarsError(
+                "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
+                "speculative decoding is not supported for it (use --no-draft)"
+            )
+        self.draft_model: Model | None = None
+        self.draft_ctx: Context | None = None
+        if drafter == "model":
+            self.draft_model = Model(draft, n_gpu_layers_draft)
+            if self.draft_model.recurrent:
+                raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
+            check_vocab_compatible(self.target, self.draft_model)
+            self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, n_batch=n_batch, n_threads=n_threads)
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        NgramDrafter(ngram_max, ngram_min)  # validates the sizes
+
+    # ------------------------------------------------------------ helpers
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special=add_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.target.detokenize(tokens)
+
+    def _make_drafter(self, cfg: GenerateConfig, rng: np.random.Generator) -> Drafter:
+        if self.drafter_kind == "model":
+            return ModelDrafter(
+                self.draft_ctx, cfg.draft_sampling, cfg.sampling, rng, cfg.draft_p_min, cfg.draft_min
+            )
+        if self.drafter_kind == "ngram":
+            return NgramDrafter(self.ngram_max, self.ngram_min)
+        return Drafter()
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            toks = self.tokenize(prompt)
+        else:
+            toks = [int(t) for t in prompt]
+            bad = [t for t in toks if not 0 <= t < self.target.n_vocab]
+            if bad:
+                raise MarsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        if not toks:
+            raise MarsError("the prompt is empty")
+        if len(toks) >= self.n_ctx:
+            raise MarsError(
+                f"the prompt is {len(toks)} tokens but the context holds {self.n_ctx}; use a larger -c or a shorter prompt"
+            )
+        return toks
+
+    # ---------------------------------------------------------- generation
+    def stream(
+        self, prompt: str | Sequence[int], config: GenerateConfig | None = None, **options
+    ) -> Iterator[Chunk]:
+        """Generate, yielding one :class:`Chunk` per verify round.
+
+        The final statistics are available as ``self.last_stats`` once the
+        iterator is exhausted (``generate`` returns them directly).
+        """
+        cfg = config if config is not None else GenerateConfig.make(**options)
+        if config is not None and options:
+            cfg = replace(cfg, **options)
+        tokens = self._prompt_tokens(prompt)
+        vcfg = VerifyConfig(cfg.verify, cfg.theta, cfg.require_positive_top1, cfg.max_relaxed, self.target.eog_ids)
+        rng = cfg.sampling.rng()
+        drafter = self._make_drafter(cfg, rng)
+        stats = SpecStats(n_prompt=len(tokens))
+        self.last_stats = stats
+        return self._run(tokens, cfg, vcfg, rng, drafter, stats)
+
+    def _run(self, tokens, cfg, vcfg, rng, drafter, stats) -> Iterator[Chunk]:
+        clock = time.perf_counter
+        t_start = clock()
+        tgt = self.ctx
+        stats.n_prompt_evaluated = tgt.sync(tokens[:-1])
+        drafter.begin(tokens)
+        stats.time_prompt_s = clock() - t_start
+
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        piece = self.target.piece
+        is_eog = self.target.is_eog
+        params = cfg.sampling
+        generated = 0
+        try:
+            while True:
+                remaining = cfg.max_tokens - generated
+                if remaining <= 0:
+                    stats.stop_reason = "length"
+                    break
+                room = tgt.n_ctx - tgt.n_past - 1  # rows that fit after `last`
+                if room < 0:
+                    stats.stop_reason = "context"
+                    break
+                k = min(cfg.draft_max, remaining - 1, room)
+
+                t0 = clock()
+                draft = drafter.propose(tokens, k) if k > 0 else EMPTY_DRAFT
+                if len(draft) < cfg.draft_min:
+                    draft = EMPTY_DRAFT
+                t1 = clock()
+                base = tgt.n_past
+                logits = tgt.eval([tokens[-1]] + draft.tokens, n_out=len(draft) + 1)
+                t2 = clock()
+                res = verify(logits, np.asarray(draft.tokens, dtype=np.int64), vcfg, params, rng, draft.probs)
+                t3 = clock()
+                tgt.truncate(base + 1 + res.n_accepted)
+                new = res.tokens
+                tokens.extend(new)
+                drafter.observe(tokens, res.n_accepted)
+                t4 = clock()
+                stats.time_draft_s += (t1 - t0) + (t4 - t3)
+                stats.time_target_s += t2 - t1
+                stats.time_verify_s += t3 - t2
+
+                kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
+                stop = None
+                for i, t in enumerate(new):
+                    if is_eog(t):
+                        new, kinds, stop = new[:i], kinds[:i], "eog"
+                        break
+                stats.record_round(len(draft), res.n_accepted, res.n_relaxed, len(new))
+                generated += len(new)
+                text = decoder.decode(b"".join(piece(t) for t in new))
+                if new or text:
+                    yield Chunk(list(new), text, kinds)
+                if stop:
+                    stats.stop_reason = stop
+                    break
+            tail = decoder.decode(b"", final=True)
+            if tail:
+                yield Chunk([], tail, [])
+        finally:
+            stats.time_total_s = clock() - t_start
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        config: GenerateConfig | None = None,
+        on_chunk: Callable[[Chunk], None] | None = None,
+        **options,
+    ) -> Generation:
+        """Generate a completion; ``options`` are :class:`GenerateConfig` fields
+        plus the sampling fields (temperature, top_k, top_p, min_p, seed)."""
+        text, toks, kinds = [], [], []
+        it = self.stream(prompt, config, **options)
+        for chunk in it:
+            text.append(chunk.text)
+            toks.extend(chunk.tokens)
+            kinds.extend(chunk.kinds)
+            if on_chunk is not None:
+                on_chunk(chunk)
+        return Generation("".join(text), toks, kinds, self.last_stats)
+
+    def close(self) -> None:
+        for obj in (self.draft_ctx, self.ctx, self.draft_model, self.target):
+            if obj is not None:
+                obj.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

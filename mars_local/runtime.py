@@ -1,0 +1,365 @@
+"""Thin ownership layer over llama.cpp's C API (llama-cpp-python's ctypes module).
+
+One :class:`Model` per GGUF file, one :class:`Context` per model with its own
+``llama_batch`` and a mirror of the tokens in its KV cache, so rollback and
+prefix reuse are exact.  Logits come back as zero-copy numpy views that are
+valid only until the next decode on the same context.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MarsError
+
+try:  # pragma: no cover - exercised by the import itself
+    import llama_cpp as _llama_pkg
+    from llama_cpp import llama_cpp as C
+except Exception as exc:  # pragma: no cover
+    raise ImportError(
+        "mars-local needs llama-cpp-python 0.3.36; run `make install` (it builds the patched sdist)"
+    ) from exc
+
+__all__ = ["Model", "Context", "ModelInfo", "check_vocab_compatible", "backend_info", "set_verbose"]
+
+LLAMA_CPP_PYTHON_VERSION = getattr(_llama_pkg, "__version__", "unknown")
+
+# ----------------------------------------------------------------- logging
+_verbose = False
+_recent_log: collections.deque[str] = collections.deque(maxlen=40)
+
+
+@C.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - C calls it
+    try:
+        msg = text.decode("utf-8", errors="replace")
+    except Exception:
+        return
+    _recent_log.append(msg)
+    if _verbose:
+        os.write(2, text)
+
+
+C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+C.llama_backend_init()
+
+
+def set_verbose(verbose: bool) -> None:
+    """Show llama.cpp's own log on stderr (off by default)."""
+    global _verbose
+    _verbose = bool(verbose)
+
+
+def _last_llama_error() -> str:
+    for line in reversed(_recent_log):
+        line = line.strip()
+        if line and ("error" in line.lower() or "failed" in line.lower()):
+            return line
+    return ""
+
+
+def gpu_offload_supported() -> bool:
+    return bool(C.llama_supports_gpu_offload())
+
+
+def backend_info() -> dict:
+    """Which backend this llama.cpp build uses."""
+    info = C.llama_print_system_info().decode("utf-8", errors="replace")
+    backend = "cpu"
+    for name in ("CUDA", "METAL", "VULKAN", "HIP", "SYCL", "MUSA", "OPENCL"):
+        if name in info.upper().replace(" ", ""):
+            backend = name.lower()
+            break
+    return {
+        "backend": backend,
+        "gpu_offload": gpu_offload_supported(),
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "system_info": info.strip(),
+    }
+
+
+def default_threads() -> int:
+    """Physical-core estimate: all CPUs on small machines, half where SMT is likely."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        n = os.cpu_count() or 1
+    return n if n <= 4 else max(4, n // 2)
+
+
+# ------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    description: str
+    n_params: int
+    size_bytes: int
+    n_vocab: int
+    n_ctx_train: int
+    vocab_type: int
+    recurrent: bool
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.exists():
+        raise MarsError(f"model file not found: {path}")
+    if not path.is_file():
+        raise MarsError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise MarsError(f"cannot read model file {path}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise MarsError(f"not a GGUF model file: {path}")
+
+
+class Model:
+    """A loaded GGUF model (weights only; contexts are separate)."""
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None):
+        p = Path(path).expanduser()
+        _check_gguf_file(p)
+        params = C.llama_model_default_params()
+        if n_gpu_layers is None:  # all layers where a GPU backend exists, else none
+            n_gpu_layers = -1 if gpu_offload_supported() else 0
+        params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
+        _recent_log.clear()
+        self._model = C.llama_model_load_from_file(str(p).encode(), params)
+        if not self._model:
+            reason = _last_llama_error()
+            raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
+        self.path = str(p)
+        self.vocab = C.llama_model_get_vocab(self._model)
+        self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
+        self.recurrent = bool(C.llama_model_is_recurrent(self._model) or C.llama_model_is_hybrid(self._model))
+        self.add_bos = bool(C.llama_vocab_get_add_bos(self.vocab))
+        self.bos = int(C.llama_vocab_bos(self.vocab))
+        self.eos = int(C.llama_vocab_eos(self.vocab))
+        self.eog_ids = tuple(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t))
+        self._eog = frozenset(self.eog_ids)
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # -- metadata
+    def info(self) -> ModelInfo:
+        buf = ctypes.create_string_buffer(256)
+        C.llama_model_desc(self._model, buf, len(buf))
+        return ModelInfo(
+            path=self.path,
+            description=buf.value.decode("utf-8", errors="replace"),
+            n_params=int(C.llama_model_n_params(self._model)),
+            size_bytes=int(C.llama_model_size(self._model)),
+            n_vocab=self.n_vocab,
+            n_ctx_train=self.n_ctx_train,
+            vocab_type=int(C.llama_vocab_type(self.vocab)),
+            recurrent=self.recurrent,
+        )
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        tmpl = C.llama_model_chat_template(self._model, None)
+        return tmpl.decode("utf-8", errors="replace") if tmpl else None
+
+    # -- tokens
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    def token_text(self, token: int) -> bytes:
+        return C.llama_vocab_get_text(self.vocab, token) or b""
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise MarsError("the prompt could not be tokenized")
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (may be a partial UTF-8 sequence)."""
+        buf = self._piece_buf
+        n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens, special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            C.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def check_vocab_compatible(target: Model, draft: Model) -> None:
+    """Refuse a draft whose tokenizer differs (llama.cpp's five rules)."""
+    def fail(why: str) -> None:
+        raise MarsError(
+            f"draft model {Path(draft.path).name} does not share the target's tokenizer ({why}); "
+            "pick a draft from the same model family, or use --drafter ngram"
+        )
+
+    if C.llama_vocab_type(target.vocab) != C.llama_vocab_type(draft.vocab):
+        fail("different tokenizer types")
+    if target.add_bos != draft.add_bos or (target.add_bos and target.bos != draft.bos):
+        fail("different BOS token")
+    if bool(C.llama_vocab_get_add_eos(target.vocab)) != bool(C.llama_vocab_get_add_eos(draft.vocab)) or (
+        C.llama_vocab_get_add_eos(target.vocab) and target.eos != draft.eos
+    ):
+        fail("different EOS token")
+    if abs(target.n_vocab - draft.n_vocab) > 128:
+        fail(f"vocabulary sizes {target.n_vocab} and {draft.n_vocab}")
+    for t in range(5, min(target.n_vocab, draft.n_vocab)):
+        if target.token_text(t) != draft.token_text(t):
+            fail(f"token {t} differs")
+
+
+# ----------------------------------------------------------------- context
+class Context:
+    """One llama_context with its batch, its KV token mirror and logits views."""
+
+    def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None):
+        self.model = model
+        n_ctx = int(n_ctx) if n_ctx and n_ctx > 0 else model.n_ctx_train
+        n_ctx = max(16, min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx)
+        n_batch = max(1, min(int(n_batch), n_ctx))
+        threads = int(n_threads) if n_threads else default_threads()
+        cp = C.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch
+        cp.n_ubatch = n_batch
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.no_perf = True
+        _recent_log.clear()
+        self._ctx = C.llama_init_from_model(model._model, cp)
+        if not self._ctx:
+            reason = _last_llama_error()
+            raise MarsError(f"cannot create a llama.cpp context (n_ctx={n_ctx})" + (f": {reason}" if reason else ""))
+        self.n_ctx = int(C.llama_n_ctx(self._ctx))
+        self.n_batch = n_batch
+        self.n_threads = threads
+        self.mem = C.llama_get_memory(self._ctx)
+        self.n_vocab = model.n_vocab
+        self._batch = C.llama_batch_init(n_batch, 0, 1)
+        b = self._batch
+        for i in range(n_batch):  # every row belongs to sequence 0
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+        self._tok = np.ctypeslib.as_array(b.token, shape=(n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
+        self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(n_batch,))
+        self.tokens: list[int] = []  # mirror of the KV cache, positions 0..len-1
+        self.n_evaluated = 0  # tokens run through decode (for reuse accounting)
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def _decode(self, tokens, n_out: int) -> None:
+        n = len(tokens)
+        start = len(self.tokens)
+        self._tok[:n] = tokens
+        self._pos[:n] = np.arange(start, start + n)
+        self._out[:n] = 0
+        if n_out:
+            self._out[n - n_out : n] = 1
+        self._batch.n_tokens = n
+        rc = C.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            # llama.cpp removed this batch's positions; keep the mirror in step.
+            C.llama_memory_seq_rm(self.mem, 0, start, -1)
+            if rc == 1:
+                raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        self.tokens.extend(int(t) for t in tokens)
+        self.n_evaluated += n
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """Zero-copy (n_rows, V) view of the last decode's output rows."""
+        ptr = C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+
+    def eval(self, tokens, n_out: int = 1) -> np.ndarray | None:
+        """Append ``tokens`` to the cache (chunked by n_batch); logits for the last n_out rows."""
+        tokens = list(tokens)
+        if not tokens:
+            return None
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
+        if n_out > self.n_batch:
+            raise ValueError("more output rows than the batch holds")
+        i = 0
+        while len(tokens) - i > self.n_batch:
+            self._decode(tokens[i : i + self.n_batch], 0)
+            i += self.n_batch
+        rest = tokens[i:]
+        self._decode(rest, min(n_out, len(rest)))
+        return self.logits(min(n_out, len(rest))) if n_out else None
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop every cached position >= n_keep (KV rollback)."""
+        if n_keep >= len(self.tokens):
+            return
+        if not C.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
+            raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
+        del self.tokens[n_keep:]
+
+    def common_prefix(self, tokens) -> int:
+        n = min(len(self.tokens), len(tokens))
+        a = np.asarray(self.tokens[:n])
+        b = np.asarray(tokens[:n])
+        diff = np.flatnonzero(a != b)
+        return int(diff[0]) if diff.size else n
+
+    def sync(self, tokens) -> int:
+        """Make the cache hold exactly ``tokens``, reusing the common prefix.
+
+        Returns the number of tokens that had to be evaluated.
+        """
+        keep = self.common_prefix(tokens)
+        self.truncate(keep)
+        rest = list(tokens[keep:])
+        self.eval(rest, n_out=0 if rest else 0) if rest else None
+        return len(rest)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

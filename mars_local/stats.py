@@ -1,0 +1,116 @@
+"""Statistics of one generation (one dataclass, as vLLM's spec-decode metrics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counters and timings of a generation.
+
+    n_generated          tokens produced (accepted drafts + target tokens).
+    n_prompt             prompt tokens; n_prompt_evaluated of them were run
+                         through the target (the rest came from its KV cache).
+    n_rounds             target forwards in the decode loop (one per verify
+                         window; plain decoding is one per token).
+    n_drafted            draft tokens proposed and verified.
+    n_accepted           draft tokens accepted, relaxed ones included.
+    n_relaxed            draft tokens accepted only because of MARS.
+    acceptance_rate      n_accepted / n_drafted (0 when nothing was drafted).
+    mean_accepted_length n_generated / n_rounds (tokens per target forward,
+                         the bonus/correction token included).
+    per_position_drafted / per_position_accepted
+                         counts per draft position 0..k-1; their ratio is the
+                         per-position acceptance.
+    k_per_round          the draft length used in each round.
+    time_target_s        target forwards (verify windows; prompt excluded).
+    time_prompt_s        prompt evaluation (target and draft).
+    time_draft_s         drafting (draft-model forwards or n-gram lookups).
+    time_verify_s        the verification rule itself.
+    time_total_s         wall time of the whole generation.
+    tokens_per_second    n_generated / (time_total_s - time_prompt_s).
+    stop_reason          "eog", "length" (max tokens) or "context" (full).
+    """
+
+    n_generated: int = 0
+    n_prompt: int = 0
+    n_prompt_evaluated: int = 0
+    n_rounds: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    n_relaxed: int = 0
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    k_per_round: list[int] = field(default_factory=list)
+    time_target_s: float = 0.0
+    time_prompt_s: float = 0.0
+    time_draft_s: float = 0.0
+    time_verify_s: float = 0.0
+    time_total_s: float = 0.0
+    stop_reason: str = ""
+    verify_backend: str = "numpy"
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.n_generated / self.n_rounds if self.n_rounds else 0.0
+
+    @property
+    def relaxed_share(self) -> float:
+        """Share of accepted drafts that needed MARS."""
+        return self.n_relaxed / self.n_accepted if self.n_accepted else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        t = self.time_total_s - self.time_prompt_s
+        return self.n_generated / t if t > 0 else 0.0
+
+    def record_round(self, k: int, n_accepted: int, n_relaxed: int, n_new: int) -> None:
+        self.n_rounds += 1
+        self.n_drafted += k
+        self.n_accepted += n_accepted
+        self.n_relaxed += n_relaxed
+        self.n_generated += n_new
+        self.k_per_round.append(k)
+        grow = k - len(self.per_position_drafted)
+        if grow > 0:
+            self.per_position_drafted.extend([0] * grow)
+            self.per_position_accepted.extend([0] * grow)
+        for i in range(k):
+            self.per_position_drafted[i] += 1
+        for i in range(n_accepted):
+            self.per_position_accepted[i] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "n_generated": self.n_generated,
+            "n_prompt": self.n_prompt,
+            "n_prompt_evaluated": self.n_prompt_evaluated,
+            "n_rounds": self.n_rounds,
+            "n_drafted": self.n_drafted,
+            "n_accepted": self.n_accepted,
+            "n_relaxed": self.n_relaxed,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "relaxed_share": self.relaxed_share,
+            "per_position_acceptance": self.per_position_acceptance,
+            "per_position_drafted": list(self.per_position_drafted),
+            "per_position_accepted": list(self.per_position_accepted),
+            "k_per_round": list(self.k_per_round),
+            "time_target_s": self.time_target_s,
+            "time_prompt_s": self.time_prompt_s,
+            "time_draft_s": self.time_draft_s,
+            "time_verify_s": self.time_verify_s,
+            "time_total_s": self.time_total_s,
+            "tokens_per_second": self.tokens_per_second,
+            "stop_reason": self.stop_reason,
+            "verify_backend": self.verify_backend,
+        }

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Build llama-cpp-python (pinned) from its sdist with patches/ applied, and
+# install the wheel into the given virtual environment.
+#
+#   scripts/build_llama_cpp.sh VENV
+#
+# The sdist comes from the package registry (pip download); the wheel is cached
+# in .cache/wheels/<key>/ where <key> hashes the version, the patches, the
+# Python version and CMAKE_ARGS, so a second `make install` is instant and a
+# change to any patch or to CMAKE_ARGS rebuilds.  A patch that does not apply
+# stops the build with an error.
+set -euo pipefail
+
+VENV=${1:?usage: build_llama_cpp.sh VENV}
+VERSION=${LLAMA_CPP_VERSION:-0.3.36}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+CACHE=${MARS_CACHE_DIR:-$ROOT/.cache}
+PY="$VENV/bin/python"
+
+# Build options: ours first, then the user's CMAKE_ARGS (later -D wins), so
+# CMAKE_ARGS="-DGGML_CUDA=on" or "-DGGML_METAL=on" select a GPU backend.
+DEFAULT_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+export CMAKE_ARGS="$DEFAULT_ARGS ${CMAKE_ARGS:-}"
+
+patches=$(ls "$ROOT"/patches/*.patch 2>/dev/null | sort || true)
+key=$( { echo "$VERSION"; "$PY" -c 'import sys; print(sys.version)'; echo "$CMAKE_ARGS";
+         for p in $patches; do sha256sum "$p" | cut -c1-64; done; } | sha256sum | cut -c1-16)
+wheel_dir="$CACHE/wheels/$key"
+
+installed_key=$(cat "$VENV/.llama-cpp-key" 2>/dev/null || true)
+if [ "$installed_key" = "$key" ] && "$PY" -c 'import llama_cpp' 2>/dev/null; then
+    echo "llama-cpp-python $VERSION already built and installed (key $key)"
+    exit 0
+fi
+
+if ! ls "$wheel_dir"/*.whl >/dev/null 2>&1; then
+    sdist="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
+    if [ ! -f "$sdist" ]; then
+        echo "==> downloading the llama-cpp-python $VERSION sdist"
+        mkdir -p "$CACHE/sdist"
+        "$PY" -m pip download --quiet --no-deps --no-binary :all: \
+            "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
+    fi
+    src="$CACHE/build/llama_cpp_python-$VERSION-$key"
+    rm -rf "$src" && mkdir -p "$CACHE/build"
+    tar -xzf "$sdist" -C "$CACHE/build"
+    mv "$CACHE/build/llama_cpp_python-$VERSION" "$src"
+    for p in $patches; do
+        echo "==> applying $(basename "$p")"
+        if ! patch -p1 --forward --batch --quiet -d "$src" < "$p"; then
+            echo "error: patch $(basename "$p") does not apply to llama-cpp-python $VERSION" >&2
+            exit 1
+        fi
+    done
+    echo "==> building llama-cpp-python $VERSION (CMAKE_ARGS=$CMAKE_ARGS); this takes a few minutes"
+    mkdir -p "$wheel_dir.tmp"
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc 2>/dev/null || echo 2)} \
+        "$PY" -m pip wheel --quiet --no-deps -w "$wheel_dir.tmp" "$src"
+    rm -rf "$wheel_dir" && mv "$wheel_dir.tmp" "$wheel_dir"
+    rm -rf "$src"
+fi
+
+"$PY" -m pip install --quiet --force-reinstall --no-deps "$wheel_dir"/*.whl
+echo "$key" > "$VENV/.llama-cpp-key"
+echo "llama-cpp-python $VERSION installed (key $key)"

@@ -1,0 +1,90 @@
+"""Shared fixtures: tiny random GGUF models and the bundled SmolLM2."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tinymodels import make_tiny_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_CACHE = ROOT / ".cache" / "test-models"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_dir) -> Path:
+    return make_tiny_llama(tiny_dir / "target.gguf", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_dir) -> Path:
+    """Same weights with noise on the LM head: agrees with the target part of the time."""
+    return make_tiny_llama(tiny_dir / "draft.gguf", seed=0, out_noise=0.3)
+
+
+@pytest.fixture(scope="session")
+def tiny_flat_target(tiny_dir) -> Path:
+    """Small LM-head scale: flat distributions, many undecided positions."""
+    return make_tiny_llama(tiny_dir / "flat-target.gguf", seed=3, out_scale=0.15)
+
+
+@pytest.fixture(scope="session")
+def tiny_flat_draft(tiny_dir) -> Path:
+    return make_tiny_llama(tiny_dir / "flat-draft.gguf", seed=3, out_scale=0.15, out_noise=0.05)
+
+
+@pytest.fixture(scope="session")
+def tiny_other_vocab(tiny_dir) -> Path:
+    return make_tiny_llama(tiny_dir / "other-vocab.gguf", seed=1, token_suffix="x")
+
+
+@pytest.fixture(scope="session")
+def not_gguf(tiny_dir) -> Path:
+    p = tiny_dir / "notes.gguf"
+    p.write_text("this is not a model\n")
+    return p
+
+
+@pytest.fixture(scope="session")
+def truncated_gguf(tiny_dir, tiny_target) -> Path:
+    data = tiny_target.read_bytes()
+    p = tiny_dir / "truncated.gguf"
+    p.write_bytes(data[: len(data) // 2])
+    return p
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The bundled offline model (installed by `make install`)."""
+    from mars_local.registry import load_registry, model_path
+
+    reg = load_registry()
+    return model_path(reg.get("smollm2-135m"), "target")
+
+
+@pytest.fixture(scope="session")
+def smollm2_f16(smollm2) -> Path:
+    """SmolLM2 requantized to F16 with llama_model_quantize (same vocabulary).
+
+    Cached under .cache/test-models (git-ignored) so reruns skip the work."""
+    import llama_cpp
+
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    out = MODEL_CACHE / "SmolLM2-135M-Instruct.F16.gguf"
+    if not out.exists():
+        tmp = out.with_suffix(".tmp")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_F16
+        params.allow_requantize = True
+        params.nthread = 2
+        rc = llama_cpp.llama_model_quantize(str(smollm2).encode(), str(tmp).encode(), params)
+        assert rc == 0, f"llama_model_quantize failed with {rc}"
+        shutil.move(tmp, out)
+    return out

@@ -1,0 +1,106 @@
+"""Tiny random llama-architecture GGUF models for fast tests (written with `gguf`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_tiny_llama(
+    path: Path,
+    *,
+    n_vocab: int = 384,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_layer: int = 2,
+    n_ff: int = 128,
+    n_ctx: int = 1024,
+    seed: int = 0,
+    out_noise: float = 0.0,
+    out_scale: float = 1.0,
+    chat_template: str | None = CHATML,
+    eos_id: int = 2,
+    token_suffix: str = "",
+) -> Path:
+    """Write a random model; the same seed with out_noise > 0 makes a 'draft'
+    that agrees with the seed's model part of the time.  token_suffix changes
+    token texts (to build a vocabulary-mismatched pair)."""
+    rng = np.random.default_rng(seed)
+    hd = n_embd // n_head
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny-test-llama")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    T = gguf.TokenType
+    toks, types = ["<unk>", "<s>", "</s>"], [T.UNKNOWN, T.CONTROL, T.CONTROL]
+    toks += [f"<0x{b:02X}>" for b in range(256)]
+    types += [T.BYTE] * 256
+    for t in ("<|im_start|>", "<|im_end|>"):
+        toks.append(t)
+        types.append(T.CONTROL)
+    for t in ["\u2581"] + [chr(c) for c in range(33, 127)]:
+        toks.append(t)
+        types.append(T.NORMAL)
+    for t in ["\u2581the", "\u2581a", "\u2581hello", "\u2581world"]:
+        toks.append(t + token_suffix)
+        types.append(T.NORMAL)
+    i = 0
+    while len(toks) < n_vocab:
+        toks.append(f"\u2581w{i}{token_suffix}")
+        types.append(T.NORMAL)
+        i += 1
+    scores = [0.0] * 259 + [-1.0 * k for k in range(len(toks) - 259)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types([int(t) for t in types])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(eos_id)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+    def r(*shape, scale=0.02):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", r(n_vocab, n_embd, scale=1.0))
+    for b in range(n_layer):
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.attn_q.weight", r(n_head * hd, n_embd, scale=0.3))
+        w.add_tensor(f"blk.{b}.attn_k.weight", r(n_head_kv * hd, n_embd, scale=0.3))
+        w.add_tensor(f"blk.{b}.attn_v.weight", r(n_head_kv * hd, n_embd, scale=0.3))
+        w.add_tensor(f"blk.{b}.attn_output.weight", r(n_embd, n_head * hd, scale=0.3))
+        w.add_tensor(f"blk.{b}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.ffn_gate.weight", r(n_ff, n_embd, scale=0.3))
+        w.add_tensor(f"blk.{b}.ffn_up.weight", r(n_ff, n_embd, scale=0.3))
+        w.add_tensor(f"blk.{b}.ffn_down.weight", r(n_embd, n_ff, scale=0.3))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    out_w = r(n_vocab, n_embd, scale=out_scale)
+    if out_noise:
+        noise = np.random.default_rng(seed + 1000).standard_normal(out_w.shape) * out_noise
+        out_w = (out_w + noise).astype(np.float32)
+    w.add_tensor("output.weight", out_w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
