@@ -8,13 +8,59 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
+from typer import echo
+from typer.core import TyperGroup
+
+try:  # typer >= 0.25 vendors its own click
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click import exceptions as cx
 
 from .errors import MarsError
 
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+class MarsGroup(TyperGroup):
+    """Every user error ends as one line on stderr and exit code 2, never a traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        code = 0
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except cx.NoArgsIsHelpError as exc:
+            echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        except MarsError as exc:
+            echo(f"error: {_one_line(exc)}", err=True)
+            code = 2
+        except cx.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+            echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
+            code = 2
+        except cx.ClickException as exc:
+            echo(f"error: {_one_line(exc.format_message())}", err=True)
+            code = exc.exit_code or 1
+        except typer.Abort:
+            echo("aborted", err=True)
+            code = 130
+        except BrokenPipeError:
+            code = 0
+        except OSError as exc:
+            where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+            echo(f"error: {exc.strerror or exc}{where}", err=True)
+            code = 1
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
 app = typer.Typer(
     name="mars",
+    cls=MarsGroup,
     help="Local GGUF inference with speculative decoding verified by MARS.",
     no_args_is_help=True,
     add_completion=True,
@@ -23,10 +69,19 @@ app = typer.Typer(
 )
 
 
-def fail(msg: str, code: int = 2) -> None:
-    """One clear line on stderr and a non-zero exit."""
-    click.echo(f"error: {msg}", err=True)
-    raise SystemExit(code)
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        echo(f"mars-local {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    """Local GGUF inference with speculative decoding verified by MARS."""
 
 
 # --------------------------------------------------------------- options
@@ -158,7 +213,7 @@ def run(
     try:
         if as_json:
             out = eng.generate(prompt, cfg)
-            click.echo(json.dumps(out.to_dict(), ensure_ascii=False))
+            echo(json.dumps(out.to_dict(), ensure_ascii=False))
         else:
             def show(chunk):
                 sys.stdout.write(chunk.text)
@@ -188,32 +243,12 @@ def print_stats(s, choice: ModelChoice) -> None:
         ),
         f"stop reason:          {s.stop_reason}",
     ]
-    click.echo("\n".join(lines), err=True)
+    echo("\n".join(lines), err=True)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    """Console entry point: every user error becomes one line and exit code 2."""
-    try:
-        app(args=argv, standalone_mode=False)
-    except MarsError as exc:
-        fail(str(exc))
-    except click.exceptions.NoArgsIsHelpError as exc:  # pragma: no cover - click >= 8.2
-        click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
-        raise SystemExit(0)
-    except click.UsageError as exc:
-        fail(exc.format_message().replace("\n", " "))
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        raise SystemExit(130)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        raise SystemExit(130)
-    except BrokenPipeError:
-        raise SystemExit(0)
-    except click.ClickException as exc:
-        fail(exc.format_message().replace("\n", " "), exc.exit_code or 1)
-    except OSError as exc:
-        fail(f"{exc.strerror or exc}" + (f": {exc.filename}" if getattr(exc, "filename", None) else ""), 1)
+def main() -> None:
+    """Console entry point (`mars`)."""
+    app()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -115,6 +115,8 @@ class Engine:
         n_threads: int | None = None,
         ngram_max: int = 3,
         ngram_min: int = 1,
+        flash_attn: bool | None = None,
+        kv_type: str = "f16",
     ):
         if drafter is None:
             drafter = "model" if draft else "none"
@@ -126,7 +128,8 @@ class Engine:
             raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
         self.drafter_kind = drafter
         self.target = Model(target, n_gpu_layers)
-        self.ctx = Context(self.target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
+        ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
+        self.ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
         if drafter != "none" and self.target.recurrent:
             raise MarsError(
                 "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
@@ -139,7 +142,7 @@ class Engine:
             if self.draft_model.recurrent:
                 raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
             check_vocab_compatible(self.target, self.draft_model)
-            self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, n_batch=n_batch, n_threads=n_threads)
+            self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, **ctx_opts)
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
 

@@ -244,10 +244,27 @@ def check_vocab_compatible(target: Model, draft: Model) -> None:
 
 
 # ----------------------------------------------------------------- context
-class Context:
-    """One llama_context with its batch, its KV token mirror and logits views."""
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 
-    def __init__(self, model: Model, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None):
+
+class Context:
+    """One llama_context with its batch, its KV token mirror and logits views.
+
+    flash_attn: None lets llama.cpp decide; kv_type: "f16" (default), "f32" or
+    "q8_0" (a quantized V cache needs flash attention).  Flash attention off
+    with an f32 cache makes logits independent of how tokens were batched to
+    about 1e-5, which the KV-rollback test relies on.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        flash_attn: bool | None = None,
+        kv_type: str = "f16",
+    ):
         self.model = model
         n_ctx = int(n_ctx) if n_ctx and n_ctx > 0 else model.n_ctx_train
         n_ctx = max(16, min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx)
@@ -260,6 +277,11 @@ class Context:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = True
+        if flash_attn is not None:
+            cp.flash_attn_type = 1 if flash_attn else 0
+        if kv_type not in KV_TYPES:
+            raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+        cp.type_k = cp.type_v = KV_TYPES[kv_type]
         _recent_log.clear()
         self._ctx = C.llama_init_from_model(model._model, cp)
         if not self._ctx:

@@ -1,0 +1,229 @@
+"""The speculative loop on tiny random GGUF models (load in milliseconds)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from mars_local import Engine, MarsError
+from mars_local.runtime import Context, Model
+from mars_local.sampling import SamplingParams, probabilities
+
+PROMPTS = ["hello world", "the a the a the", "w1 w2 w3 w4 w5", "!", "hello the world a hello"]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    with Engine(tiny_target) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_target, tiny_draft):
+    with Engine(tiny_target, tiny_draft) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_target):
+    with Engine(tiny_target, drafter="ngram") as eng:
+        yield eng
+
+
+def test_strict_greedy_equals_plain_greedy_token_for_token(plain, spec, ngram):
+    rng = np.random.default_rng(0)
+    accepted = 0
+    for i in range(40):
+        if i < len(PROMPTS):
+            prompt = PROMPTS[i]
+        else:  # random token prompts
+            prompt = [1] + [int(t) for t in rng.integers(3, 384, size=int(rng.integers(1, 30)))]
+        k = int(rng.integers(1, 9))
+        ref = plain.generate(prompt, max_tokens=48, verify="strict")
+        for eng in (spec, ngram):
+            out = eng.generate(prompt, max_tokens=48, verify="strict", draft_max=k)
+            assert out.tokens == ref.tokens, (prompt, k, eng.drafter_kind)
+            assert out.text == ref.text
+            assert out.stats.n_relaxed == 0
+            accepted += out.stats.n_accepted
+    assert accepted > 100  # the drafts were really exercised
+
+
+def test_plain_decoding_is_one_token_per_round(plain):
+    out = plain.generate("hello", max_tokens=20)
+    s = out.stats
+    assert s.n_generated == len(out.tokens) == s.n_rounds
+    assert s.n_drafted == 0 and s.mean_accepted_length == 1.0
+
+
+def test_mars_with_theta_one_equals_strict(spec):
+    for prompt in PROMPTS:
+        a = spec.generate(prompt, max_tokens=40, verify="strict")
+        b = spec.generate(prompt, max_tokens=40, verify="mars", theta=1.0)
+        assert a.tokens == b.tokens and b.stats.n_relaxed == 0
+
+
+def test_mars_accepts_more_on_an_undecided_target(tiny_flat_target, tiny_flat_draft):
+    with Engine(tiny_flat_target, tiny_flat_draft) as eng:
+        tot = {"strict": [0, 0], "mars": [0, 0]}
+        relaxed = 0
+        for prompt in PROMPTS:
+            for method in tot:
+                s = eng.generate(prompt, max_tokens=40, verify=method, theta=0.9).stats
+                tot[method][0] += s.n_generated
+                tot[method][1] += s.n_rounds
+                relaxed += s.n_relaxed if method == "mars" else 0
+        mal = {m: g / r for m, (g, r) in tot.items()}
+        assert relaxed > 0
+        assert mal["mars"] > mal["strict"], mal
+
+
+def test_stats_are_consistent(spec):
+    out = spec.generate("hello world", max_tokens=50, verify="mars", draft_max=4)
+    s = out.stats
+    assert s.n_generated == len(out.tokens)
+    assert s.n_accepted <= s.n_drafted
+    assert sum(s.per_position_drafted) == s.n_drafted
+    assert sum(s.per_position_accepted) == s.n_accepted
+    assert all(0 <= x <= 1 for x in s.per_position_acceptance)
+    assert len(s.k_per_round) == s.n_rounds and max(s.k_per_round) <= 4
+    assert s.time_total_s >= s.time_target_s + s.time_draft_s + s.time_verify_s
+    assert s.stop_reason in ("length", "eog")
+    d = out.to_dict()
+    for key in (
+        "n_generated", "n_rounds", "n_drafted", "n_accepted", "n_relaxed", "acceptance_rate",
+        "mean_accepted_length", "per_position_acceptance", "time_target_s", "time_draft_s",
+        "time_verify_s", "time_total_s", "tokens_per_second",
+    ):
+        assert key in d["stats"], key
+
+
+def test_sampled_runs_are_reproducible_with_a_seed(spec):
+    kw = dict(max_tokens=30, temperature=0.9, seed=123, verify="mars")
+    a = spec.generate("hello world", **kw)
+    b = spec.generate("hello world", **kw)
+    c = spec.generate("hello world", **{**kw, "seed": 124})
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_strict_sampling_preserves_the_models_next_token_distribution(tiny_target, tiny_draft, draft_sampling):
+    """First generated token of many seeded speculative runs ~ the target's p."""
+    params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
+    prompt = "hello world"
+    with Engine(tiny_target, tiny_draft) as eng:
+        toks = eng.tokenize(prompt)
+        ctx = eng.ctx
+        ctx.sync(toks[:-1])
+        p = probabilities(ctx.eval(toks[-1:], 1)[0].copy(), params)
+        n = 1500
+        counts = np.zeros(len(p), dtype=np.int64)
+        eog = list(eng.target.eog_ids)
+        for seed in range(n):
+            out = eng.generate(toks, max_tokens=2, verify="strict", draft_max=3, draft_sampling=draft_sampling,
+                               temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+            counts[out.tokens[0] if out.tokens else eog[0]] += 1  # an EOG ends it: pool EOG ids
+    p[eog[0]] = p[eog].sum()
+    p[eog[1:]] = 0.0
+    keep = p * n >= 5  # chi-square needs expected counts >= 5: pool the tail
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(p[keep] * n, p[~keep].sum() * n)
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_kv_rollback_matches_a_fresh_evaluation(tiny_target):
+    """Hundreds of random accept/rollback cycles leave the cache exact."""
+    model = Model(tiny_target)
+    exact = dict(flash_attn=False, kv_type="f32")  # batching-independent numerics (~1e-5)
+    ctx = Context(model, n_ctx=512, n_batch=64, **exact)
+    rng = np.random.default_rng(0)
+    committed = [1]
+    for _ in range(300):
+        base = len(committed)
+        ctx.sync(committed[:-1])
+        window = [committed[-1]] + [int(t) for t in rng.integers(3, 384, size=int(rng.integers(0, 9)))]
+        ctx.eval(window, n_out=len(window))
+        keep = int(rng.integers(1, len(window) + 1))  # last + keep-1 drafts accepted
+        ctx.truncate(base - 1 + keep)
+        committed = committed[:-1] + window[:keep] + [int(rng.integers(3, 384))]
+        if len(committed) > 400:
+            committed = committed[:50]
+    ctx.sync(committed[:-1])
+    assert ctx.tokens == committed[:-1]
+    got = ctx.eval([committed[-1]], 1)[0].copy()
+    fresh = Context(model, n_ctx=512, n_batch=64, **exact)
+    want = fresh.eval(committed, 1)[0].copy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert int(got.argmax()) == int(want.argmax())
+    fresh.close()
+    ctx.close()
+    model.close()
+
+
+def test_prompt_prefix_is_reused_across_generations(spec):
+    spec.generate("hello world the a", max_tokens=4)
+    out = spec.generate("hello world the a hello", max_tokens=4)
+    s = out.stats
+    assert s.n_prompt_evaluated < s.n_prompt
+    # a prompt sharing nothing but BOS re-evaluates the rest
+    other = spec.generate("!", max_tokens=4)
+    assert other.stats.n_prompt_evaluated <= other.stats.n_prompt
+
+
+def test_generation_stops_when_the_context_is_full(tiny_target):
+    rng = np.random.default_rng(1)
+    with Engine(tiny_target, n_ctx=64, drafter="ngram") as eng:
+        reasons = set()
+        for _ in range(8):
+            prompt = [1] + [int(t) for t in rng.integers(3, 384, size=8)]
+            out = eng.generate(prompt, max_tokens=5000)
+            assert len(prompt) + len(out.tokens) <= eng.n_ctx + 1
+            reasons.add(out.stats.stop_reason)
+    assert "context" in reasons
+
+
+def test_stop_at_end_of_generation(tiny_dir):
+    """A model whose EOS is its favourite token stops at once and prints nothing of it."""
+    from tinymodels import make_tiny_llama
+
+    path = make_tiny_llama(tiny_dir / "eos-model.gguf", seed=0)
+    with Engine(path) as probe:
+        first = probe.generate("hello", max_tokens=1).tokens[0]
+    eos_path = make_tiny_llama(tiny_dir / "eos-model2.gguf", seed=0, eos_id=first)
+    with Engine(eos_path, drafter="ngram") as eng:
+        out = eng.generate("hello", max_tokens=10)
+    assert out.tokens == [] and out.stats.stop_reason == "eog"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(theta=0.0), dict(theta=1.2), dict(draft_max=-1), dict(temperature=-0.5), dict(max_tokens=0),
+        dict(top_p=0.0), dict(min_p=1.0), dict(draft_min=9, draft_max=4), dict(verify="fuzzy"),
+        dict(draft_p_min=2.0), dict(top_k=-1),
+    ],
+)
+def test_invalid_settings_are_refused(spec, kw):
+    with pytest.raises(MarsError):
+        spec.generate("hello", **kw)
+
+
+def test_bad_models_are_refused(tiny_target, tiny_other_vocab, not_gguf, truncated_gguf, tmp_path):
+    with pytest.raises(MarsError, match="not found"):
+        Engine(tmp_path / "missing.gguf")
+    with pytest.raises(MarsError, match="not a GGUF"):
+        Engine(not_gguf)
+    with pytest.raises(MarsError, match="cannot load"):
+        Engine(truncated_gguf)
+    with pytest.raises(MarsError, match="tokenizer"):
+        Engine(tiny_target, tiny_other_vocab)
+
+
+def test_prompt_longer_than_the_context_is_refused(tiny_target):
+    with Engine(tiny_target, n_ctx=32) as eng:
+        with pytest.raises(MarsError, match="context"):
+            eng.generate("hello " * 100, max_tokens=4)
+        with pytest.raises(MarsError, match="outside the vocabulary"):
+            eng.generate([1, 99999], max_tokens=4)

@@ -1,0 +1,79 @@
+"""End-to-end on the bundled SmolLM2-135M (real weights, real tokenizer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mars_local import Engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Here is a list of fruits: apple, banana, cherry. Here is the same list again: apple,",
+    "Translate to French: The cat sits on the mat.\nFrench:",
+]
+N = 48
+
+
+@pytest.fixture(scope="module")
+def q41(smollm2):
+    with Engine(smollm2, n_ctx=512) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def f16_pair(smollm2_f16, smollm2):
+    """F16 target, the original Q4_1 as draft: same vocabulary, different numerics."""
+    with Engine(smollm2_f16, smollm2, n_ctx=512) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def f16_plain(smollm2_f16):
+    with Engine(smollm2_f16, n_ctx=512) as eng:
+        yield eng
+
+
+def test_ngram_strict_greedy_equals_plain(q41, smollm2):
+    with Engine(smollm2, drafter="ngram", n_ctx=512) as ng:
+        drafted = 0
+        for prompt in PROMPTS:
+            ref = q41.generate(prompt, max_tokens=N)
+            out = ng.generate(prompt, max_tokens=N, verify="strict", draft_max=6)
+            assert out.tokens == ref.tokens, prompt
+            drafted += out.stats.n_accepted
+        assert drafted > 0
+
+
+def test_draft_model_strict_greedy_equals_plain(f16_pair, f16_plain):
+    accepted = 0
+    for prompt in PROMPTS:
+        ref = f16_plain.generate(prompt, max_tokens=N)
+        out = f16_pair.generate(prompt, max_tokens=N, verify="strict", draft_max=6)
+        assert out.tokens == ref.tokens, prompt
+        accepted += out.stats.n_accepted
+    assert accepted > N  # the Q4_1 draft agrees most of the time
+
+
+def test_mars_accepted_length_above_strict(f16_pair):
+    strict = mars = 0.0
+    relaxed = 0
+    for prompt in PROMPTS:
+        s = f16_pair.generate(prompt, max_tokens=N, verify="strict", draft_max=8).stats
+        m = f16_pair.generate(prompt, max_tokens=N, verify="mars", theta=0.9, draft_max=8).stats
+        strict += s.mean_accepted_length
+        mars += m.mean_accepted_length
+        relaxed += m.n_relaxed
+        assert m.acceptance_rate >= s.acceptance_rate - 0.02
+    assert relaxed > 0
+    assert mars >= strict
+
+
+def test_chat_prompt_and_stop_on_end_of_turn(q41):
+    """The instruct model, prompted in its chat format, ends its turn by itself."""
+    prompt = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n"
+    out = q41.generate(prompt, max_tokens=64)
+    assert out.stats.stop_reason == "eog"
+    assert out.text.strip() and "<|im_end|>" not in out.text
