@@ -117,6 +117,7 @@ class Engine:
         ngram_min: int = 1,
         flash_attn: bool | None = None,
         kv_type: str = "f16",
+        exact_kernels: bool = True,
     ):
         if drafter is None:
             drafter = "model" if draft else "none"
@@ -127,7 +128,7 @@ class Engine:
         if drafter != "model" and draft:
             raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
         self.drafter_kind = drafter
-        self.target = Model(target, n_gpu_layers)
+        self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self.ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
         if drafter != "none" and self.target.recurrent:
@@ -143,6 +144,7 @@ class Engine:
                 raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
             check_vocab_compatible(self.target, self.draft_model)
             self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, **ctx_opts)
+        self._chat_formatter = None
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
 
@@ -156,6 +158,35 @@ class Engine:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self.target.detokenize(tokens)
+
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of ``messages`` rendered with the target's own chat template.
+
+        The GGUF ``tokenizer.chat_template`` is rendered by llama-cpp-python's
+        Jinja2 formatter (a sandboxed environment), with the generation prompt
+        for the assistant's turn appended.
+        """
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.target.chat_template()
+        if not template:
+            raise MarsError(f"{Path(self.target.path).name} has no chat template; prompt it without chat formatting")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise MarsError("each chat message needs a string 'role' and a string 'content'")
+        if self._chat_formatter is None or self._chat_formatter[0] != template:
+            t = self.target
+            fmt = Jinja2ChatFormatter(
+                template,
+                eos_token=t.piece(t.eos, special=True).decode("utf-8", "replace") if t.eos >= 0 else "",
+                bos_token=t.piece(t.bos, special=True).decode("utf-8", "replace") if t.bos >= 0 else "",
+            )
+            self._chat_formatter = (template, fmt)
+        try:
+            text = self._chat_formatter[1](messages=list(messages)).prompt
+        except Exception as exc:  # a template error is the model's, reported as one line
+            raise MarsError(f"the model's chat template failed: {exc}") from None
+        return self.target.tokenize(text, add_special=False, parse_special=True)
 
     def _make_drafter(self, cfg: GenerateConfig, rng: np.random.Generator) -> Drafter:
         if self.drafter_kind == "model":

@@ -121,15 +121,26 @@ def _check_gguf_file(path: Path) -> None:
 
 
 class Model:
-    """A loaded GGUF model (weights only; contexts are separate)."""
+    """A loaded GGUF model (weights only; contexts are separate).
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None):
+    exact_kernels=True turns off llama.cpp's runtime weight repacking (the
+    "extra buffer types"): repacked K-quant/Q4_0 weights use a 4-row gemm for
+    batches and a gemv for single rows, whose results differ in the last bits,
+    so a verify window could flip a near-tie that plain decoding resolves the
+    other way.  Off, the CPU kernels are batch-invariant (our build also turns
+    off llamafile's sgemm for the same reason).  It costs ~10 % on K-quants on
+    CPU; the draft model, whose numerics never change the output, keeps it.
+    """
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, exact_kernels: bool = False):
         p = Path(path).expanduser()
         _check_gguf_file(p)
         params = C.llama_model_default_params()
         if n_gpu_layers is None:  # all layers where a GPU backend exists, else none
             n_gpu_layers = -1 if gpu_offload_supported() else 0
         params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
+        if exact_kernels:
+            params.use_extra_bufts = False
         _recent_log.clear()
         self._model = C.llama_model_load_from_file(str(p).encode(), params)
         if not self._model:

@@ -19,7 +19,12 @@ PY="$VENV/bin/python"
 
 # Build options: ours first, then the user's CMAKE_ARGS (later -D wins), so
 # CMAKE_ARGS="-DGGML_CUDA=on" or "-DGGML_METAL=on" select a GPU backend.
-DEFAULT_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
+# GGML_LLAMAFILE=OFF: llamafile's sgemm serves batches of 2+ rows with another
+# summation order than the single-row kernels, so a verify window's logits
+# would differ from plain decoding's in the last bits and near-ties could flip;
+# without it the CPU kernels are batch-invariant and strict greedy speculative
+# output equals plain greedy output token for token.
+DEFAULT_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_LLAMAFILE=OFF"
 export CMAKE_ARGS="$DEFAULT_ARGS ${CMAKE_ARGS:-}"
 
 patches=$(ls "$ROOT"/patches/*.patch 2>/dev/null | sort || true)

@@ -69,22 +69,34 @@ def smollm2() -> Path:
     return model_path(reg.get("smollm2-135m"), "target")
 
 
-@pytest.fixture(scope="session")
-def smollm2_f16(smollm2) -> Path:
-    """SmolLM2 requantized to F16 with llama_model_quantize (same vocabulary).
-
-    Cached under .cache/test-models (git-ignored) so reruns skip the work."""
+def requantize(src: Path, name: str, ftype: str) -> Path:
+    """A same-vocabulary variant made with llama_model_quantize, cached under
+    .cache/test-models (git-ignored) so reruns skip the work."""
     import llama_cpp
 
+    import mars_local.runtime  # noqa: F401  (silences llama.cpp's log)
+
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    out = MODEL_CACHE / "SmolLM2-135M-Instruct.F16.gguf"
+    out = MODEL_CACHE / name
     if not out.exists():
         tmp = out.with_suffix(".tmp")
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_F16
+        params.ftype = getattr(llama_cpp, ftype)
         params.allow_requantize = True
         params.nthread = 2
-        rc = llama_cpp.llama_model_quantize(str(smollm2).encode(), str(tmp).encode(), params)
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
         assert rc == 0, f"llama_model_quantize failed with {rc}"
         shutil.move(tmp, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_f16(smollm2) -> Path:
+    """SmolLM2 requantized to F16 (same vocabulary, different numerics)."""
+    return requantize(smollm2, "SmolLM2-135M-Instruct.F16.gguf", "LLAMA_FTYPE_MOSTLY_F16")
+
+
+@pytest.fixture(scope="session")
+def smollm2_q4km(smollm2_f16) -> Path:
+    """A K-quant target: the weight layout real pairs ship (uses repacked kernels)."""
+    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q4_K_M.gguf", "LLAMA_FTYPE_MOSTLY_Q4_K_M")
