@@ -159,6 +159,11 @@ def run(
         0.0, "--draft-p-min", "--spec-draft-p-min", help="Stop drafting below this draft top-token probability."
     ),
     draft_sampling: str = typer.Option("greedy", "--draft-sampling", help="greedy or sample (draft model only)."),
+    adaptive: bool = typer.Option(
+        True, "--adaptive/--no-adaptive",
+        help="Choose the draft length per round from measured costs and acceptance (k = 0 included); "
+        "--no-adaptive drafts --draft-max tokens every round.",
+    ),
     n_predict: int = typer.Option(256, "-n", "--n-predict", "--predict", help="Tokens to generate."),
     temp: float = typer.Option(0.0, "--temp", "--temperature", help="Temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Top-k truncation (0 = off)."),
@@ -200,6 +205,7 @@ def run(
         draft_min=draft_min,
         draft_p_min=draft_p_min,
         draft_sampling=draft_sampling,
+        adaptive=adaptive,
         temperature=temp,
         top_k=top_k,
         top_p=top_p,

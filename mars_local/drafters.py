@@ -23,7 +23,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from .errors import MarsError
-from .sampling import SamplingParams, probabilities, sample_from, top_probability
+from .sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
 
 __all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT"]
 
@@ -113,7 +113,7 @@ class ModelDrafter(Drafter):
         context,
         sampling: str = "greedy",
         params: SamplingParams | None = None,
-        rng: np.random.Generator | None = None,
+        seed: int = 0,
         p_min: float = 0.0,
         n_min: int = 0,
     ):
@@ -122,7 +122,7 @@ class ModelDrafter(Drafter):
         self.ctx = context
         self.sampling = sampling
         self.params = params or SamplingParams()
-        self.rng = rng or np.random.default_rng()
+        self.seed = seed
         self.p_min = p_min
         self.n_min = n_min
         self._base = 0
@@ -146,9 +146,9 @@ class ModelDrafter(Drafter):
         while True:
             if self.p_min > 0.0 and top_probability(row) < self.p_min:
                 break
-            if sampled:
+            if sampled:  # the draw for a position is keyed by (seed, position)
                 q = probabilities(row, self.params)
-                tok = sample_from(q, self.rng)
+                tok = sample_from(q, position_uniforms(self.seed, len(tokens) + len(out), 1, stream=1)[0, 0])
                 probs.append(q)
             else:
                 tok = int(row.argmax())

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from .adaptive import AdaptiveK
 from .drafters import EMPTY_DRAFT, Drafter, ModelDrafter, NgramDrafter
 from .errors import MarsError
 from .runtime import Context, Model, check_vocab_compatible
-from .sampling import SamplingParams
+from .sampling import SamplingParams, position_uniforms
 from .stats import SpecStats
 from .verify import VerifyConfig, verify
 
@@ -41,6 +42,7 @@ class GenerateConfig:
     draft_min: int = 0
     draft_p_min: float = 0.0
     draft_sampling: str = "greedy"
+    adaptive: bool = True
     max_relaxed: int | None = None
     require_positive_top1: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -145,6 +147,7 @@ class Engine:
             check_vocab_compatible(self.target, self.draft_model)
             self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, **ctx_opts)
         self._chat_formatter = None
+        self._adaptive: AdaptiveK | None = None
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
 
@@ -188,10 +191,10 @@ class Engine:
             raise MarsError(f"the model's chat template failed: {exc}") from None
         return self.target.tokenize(text, add_special=False, parse_special=True)
 
-    def _make_drafter(self, cfg: GenerateConfig, rng: np.random.Generator) -> Drafter:
+    def _make_drafter(self, cfg: GenerateConfig, seed: int) -> Drafter:
         if self.drafter_kind == "model":
             return ModelDrafter(
-                self.draft_ctx, cfg.draft_sampling, cfg.sampling, rng, cfg.draft_p_min, cfg.draft_min
+                self.draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min
             )
         if self.drafter_kind == "ngram":
             return NgramDrafter(self.ngram_max, self.ngram_min)
@@ -227,13 +230,35 @@ class Engine:
             cfg = replace(cfg, **options)
         tokens = self._prompt_tokens(prompt)
         vcfg = VerifyConfig(cfg.verify, cfg.theta, cfg.require_positive_top1, cfg.max_relaxed, self.target.eog_ids)
-        rng = cfg.sampling.rng()
-        drafter = self._make_drafter(cfg, rng)
-        stats = SpecStats(n_prompt=len(tokens))
+        seed = cfg.sampling.base_seed()
+        drafter = self._make_drafter(cfg, seed)
+        ctrl = self._controller(cfg)
+        stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
         self.last_stats = stats
-        return self._run(tokens, cfg, vcfg, rng, drafter, stats)
+        return self._run(tokens, cfg, vcfg, seed, drafter, stats, ctrl)
 
-    def _run(self, tokens, cfg, vcfg, rng, drafter, stats) -> Iterator[Chunk]:
+    def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
+        """The draft-length controller; its cost model outlives a generation.
+
+        Draft lengths follow measured timings, so they differ from run to run.
+        Strict output never depends on them (greedy is exact, sampling is
+        sample-and-compare on position-keyed draws), but MARS output and
+        sampled drafts do: a run with an explicit seed asks to be reproducible,
+        so there k stays fixed at draft_max.
+        """
+        if not cfg.adaptive or self.drafter_kind == "none" or cfg.draft_max == 0:
+            return None
+        depends_on_k = cfg.verify == "mars" or (cfg.draft_sampling == "sample" and not cfg.sampling.greedy)
+        if cfg.sampling.seeded and depends_on_k:
+            return None
+        if self._adaptive is None:
+            self._adaptive = AdaptiveK(k_max=cfg.draft_max, gpu=self.target.offloaded)
+        else:
+            self._adaptive.new_generation()
+        self._adaptive.k_max = cfg.draft_max
+        return self._adaptive
+
+    def _run(self, tokens, cfg, vcfg, seed, drafter, stats, ctrl) -> Iterator[Chunk]:
         clock = time.perf_counter
         t_start = clock()
         tgt = self.ctx
@@ -245,6 +270,7 @@ class Engine:
         piece = self.target.piece
         is_eog = self.target.is_eog
         params = cfg.sampling
+        cheap = isinstance(drafter, NgramDrafter)
         generated = 0
         try:
             while True:
@@ -256,17 +282,21 @@ class Engine:
                 if room < 0:
                     stats.stop_reason = "context"
                     break
-                k = min(cfg.draft_max, remaining - 1, room)
+                k_cap = min(cfg.draft_max, remaining - 1, room)
+                k = ctrl.choose(k_cap) if ctrl is not None else k_cap
 
                 t0 = clock()
                 draft = drafter.propose(tokens, k) if k > 0 else EMPTY_DRAFT
                 if len(draft) < cfg.draft_min:
                     draft = EMPTY_DRAFT
+                # A free look at what an n-gram draft would have said (k = 0):
+                shadow = drafter.propose(tokens, 1) if ctrl is not None and k == 0 and k_cap > 0 and cheap else None
                 t1 = clock()
                 base = tgt.n_past
                 logits = tgt.eval([tokens[-1]] + draft.tokens, n_out=len(draft) + 1)
                 t2 = clock()
-                res = verify(logits, np.asarray(draft.tokens, dtype=np.int64), vcfg, params, rng, draft.probs)
+                u = None if params.greedy else position_uniforms(seed, len(tokens), len(draft) + 1)
+                res = verify(logits, np.asarray(draft.tokens, dtype=np.int64), vcfg, params, None, draft.probs, u)
                 t3 = clock()
                 tgt.truncate(base + 1 + res.n_accepted)
                 new = res.tokens
@@ -276,6 +306,10 @@ class Engine:
                 stats.time_draft_s += (t1 - t0) + (t4 - t3)
                 stats.time_target_s += t2 - t1
                 stats.time_verify_s += t3 - t2
+                if ctrl is not None:
+                    ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3))
+                    if shadow:
+                        ctrl.observe_shadow(shadow.tokens[0] == new[0])
 
                 kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
                 stop = None

@@ -147,6 +147,7 @@ class Model:
             reason = _last_llama_error()
             raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
         self.path = str(p)
+        self.offloaded = gpu_offload_supported() and n_gpu_layers != 0
         self.vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import MarsError
 
-__all__ = ["SamplingParams", "probabilities", "sample_from", "top_probability"]
+__all__ = ["SamplingParams", "position_uniforms", "probabilities", "sample_from", "top_probability"]
 
 
 @dataclass(frozen=True)
@@ -48,9 +48,28 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def seeded(self) -> bool:
+        return self.seed is not None and self.seed >= 0
+
+    def base_seed(self) -> int:
+        """The run's seed: the user's, or a fresh random one."""
+        if self.seeded:
+            return int(self.seed)
+        return int(np.random.SeedSequence().entropy % (1 << 63))
+
     def rng(self) -> np.random.Generator:
-        seed = None if self.seed is None or self.seed < 0 else int(self.seed)
-        return np.random.default_rng(seed)
+        return np.random.default_rng(self.seed if self.seeded else None)
+
+
+def position_uniforms(seed: int, start: int, n: int, stream: int = 0) -> np.ndarray:
+    """(n, 2) uniforms for absolute token positions start .. start+n-1.
+
+    Counter-based: the draws for a position depend only on (seed, position,
+    stream), never on how positions were grouped into verify windows, so the
+    same seed gives the same samples whatever draft lengths were chosen.
+    """
+    return np.stack([np.random.default_rng([seed, start + i, stream]).random(2) for i in range(n)])
 
 
 def _softmax_rows(z: np.ndarray) -> np.ndarray:
@@ -99,13 +118,15 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return out[0] if single else out
 
 
-def sample_from(p: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one id from a probability row (need not be normalised)."""
+def sample_from(p: np.ndarray, rng_or_u) -> int:
+    """Draw one id from a probability row (need not be normalised) by inverse
+    CDF, with a uniform in [0, 1) or a numpy Generator to draw one."""
+    u = rng_or_u.random() if isinstance(rng_or_u, np.random.Generator) else float(rng_or_u)
     c = np.cumsum(p)
     total = c[-1]
     if not total > 0:
         return int(np.argmax(p))
-    i = int(np.searchsorted(c, rng.random() * total, side="right"))
+    i = int(np.searchsorted(c, u * total, side="right"))
     return min(i, len(p) - 1)
 
 

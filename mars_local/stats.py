@@ -23,7 +23,8 @@ class SpecStats:
     per_position_drafted / per_position_accepted
                          counts per draft position 0..k-1; their ratio is the
                          per-position acceptance.
-    k_per_round          the draft length used in each round.
+    k_per_round          the draft length used in each round (chosen per round
+                         when adaptive is on).
     time_target_s        target forwards (verify windows; prompt excluded).
     time_prompt_s        prompt evaluation (target and draft).
     time_draft_s         drafting (draft-model forwards or n-gram lookups).
@@ -50,6 +51,7 @@ class SpecStats:
     time_total_s: float = 0.0
     stop_reason: str = ""
     verify_backend: str = "numpy"
+    adaptive: bool = False
 
     @property
     def acceptance_rate(self) -> float:
@@ -113,4 +115,5 @@ class SpecStats:
             "tokens_per_second": self.tokens_per_second,
             "stop_reason": self.stop_reason,
             "verify_backend": self.verify_backend,
+            "adaptive": self.adaptive,
         }

@@ -41,7 +41,9 @@ strict, T > 0   Leviathan/Chen rejection sampling: accept d_i with probability
                 min(1, p(d_i) / q(d_i)); on rejection sample from
                 normalise((p - q)+).  With deterministic drafts q is a point
                 mass, which gives: accept with probability p(d_i), else sample
-                from p with d_i removed.  Distribution-preserving.
+                from p with d_i removed; implemented as sample-and-compare
+                (draw x_i ~ p_i, accept iff d_i == x_i, emit x_i on rejection).
+                Distribution-preserving.
 mars, T = 0     the paper's rule (Algorithm 1): accept d_i if d_i == t1, or
                 if d_i == t2 and the position is undecided; else emit t1.
 mars, T > 0     at an undecided position a draft in {t1, t2} is accepted
@@ -54,9 +56,10 @@ max_relaxed     optional cap on relaxed accepts per window (None: no cap, the
                 paper's behaviour).  The first relaxed accept beyond the cap
                 is treated as a rejection.
 
-Uniform draws: the sampling rules draw k uniforms for the accept tests and one
-more for the correction/bonus, whatever the outcome, so strict and MARS runs
-with the same seed consume the random stream identically.
+Uniform draws: the sampling rules take one pair of uniforms per window
+position (the engine derives them from the seed and the absolute token
+position), so strict and MARS runs with the same seed see the same draws, and
+strict sampling with deterministic drafts reproduces plain sampling exactly.
 """
 
 from __future__ import annotations
@@ -179,23 +182,35 @@ def verify_sampling(
     draft: np.ndarray,
     cfg: VerifyConfig,
     params: SamplingParams,
-    rng: np.random.Generator,
+    uniforms: np.ndarray,
     draft_probs: np.ndarray | None = None,
 ) -> VerifyResult:
-    """Temperature > 0: rejection sampling, with MARS relaxation if asked."""
+    """Temperature > 0: lossless speculative sampling, with MARS relaxation if asked.
+
+    ``uniforms`` is (k+1, 2): one pair per window position.
+    Deterministic drafts use sample-and-compare: the target's token at
+    position i is x_i = inverse-CDF(p_i, u_i0) and d_i is accepted iff d_i ==
+    x_i (probability p(d_i), and on rejection x_i follows p with d_i removed:
+    exactly the point-mass case of the (p - q)+ rule).  Since x_i does not
+    depend on the draft, strict output equals plain sampling with the same
+    uniforms, token for token.  Sampled drafts (draft_probs given) use the
+    Leviathan/Chen coin u_i0 < min(1, p/q) and the residual drawn with u_i1.
+    """
     draft = np.asarray(draft, dtype=np.int64)
     k = len(draft)
     p = probabilities(logits, params)  # (k+1, V)
     rows = np.arange(k)
-    u = rng.random(k)
     p_d = p[rows, draft]
     if draft_probs is None:
-        accept_prob = p_d
+        cdf = np.cumsum(p, axis=1)
+        x = np.array([min(int(np.searchsorted(cdf[i], uniforms[i, 0] * cdf[i, -1], side="right")), p.shape[1] - 1)
+                      for i in range(k + 1)])
+        ok = draft == x[:k]
     else:
         q_d = draft_probs[rows, draft]
         with np.errstate(divide="ignore", invalid="ignore"):
             accept_prob = np.where(q_d > 0, np.minimum(1.0, p_d / q_d), 1.0)
-    ok = u < accept_prob
+        ok = uniforms[:k, 0] < accept_prob
     relaxed = np.zeros(k, dtype=bool)
     if cfg.method == "mars" and k:
         t1, z1, t2, z2 = top2(logits[:k])
@@ -203,17 +218,15 @@ def verify_sampling(
         relaxed = ~ok & in_top2 & (p_d > 0) & undecided_mask(t1, z1, t2, z2, cfg)
         ok = ok | relaxed
     m = _prefix(ok, relaxed, cfg.max_relaxed if cfg.method == "mars" else None)
-    if m < k:
-        if draft_probs is None:
-            residual = p[m].copy()
-            residual[draft[m]] = 0.0
-        else:
-            residual = np.maximum(p[m] - draft_probs[m], 0.0)
+    if draft_probs is None:
+        nxt = int(x[m])
+    elif m < k:
+        residual = np.maximum(p[m] - draft_probs[m], 0.0)
         if not residual.sum() > 0:  # only reachable through rounding
             residual = p[m]
-        nxt = sample_from(residual, rng)
+        nxt = sample_from(residual, uniforms[m, 1])
     else:
-        nxt = sample_from(p[k], rng)
+        nxt = sample_from(p[k], uniforms[k, 0])
     return VerifyResult(m, [int(t) for t in draft[:m]] + [nxt], relaxed[:m].copy())
 
 
@@ -224,12 +237,20 @@ def verify(
     params: SamplingParams,
     rng: np.random.Generator | None = None,
     draft_probs: np.ndarray | None = None,
+    uniforms: np.ndarray | None = None,
 ) -> VerifyResult:
-    """Dispatch on the temperature: greedy rules at T = 0, sampling rules above."""
+    """Dispatch on the temperature: greedy rules at T = 0, sampling rules above.
+
+    Sampling needs ``uniforms`` ((k+1, 2) in [0, 1)) or an ``rng`` to draw them.
+    """
     if logits.ndim != 2 or logits.shape[0] != len(draft) + 1:
         raise ValueError(f"logits must be (k+1, V) for k={len(draft)} drafts, got {logits.shape}")
     if params.greedy:
+        if len(draft) == 0:
+            return VerifyResult(0, [int(logits[0].argmax())])
         return verify_greedy(logits, draft, cfg)
-    if rng is None:
-        raise ValueError("sampling verification needs an rng")
-    return verify_sampling(logits, draft, cfg, params, rng, draft_probs)
+    if uniforms is None:
+        if rng is None:
+            raise ValueError("sampling verification needs uniforms or an rng")
+        uniforms = rng.random((len(draft) + 1, 2))
+    return verify_sampling(logits, draft, cfg, params, uniforms, draft_probs)

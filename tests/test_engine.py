@@ -42,12 +42,24 @@ def test_strict_greedy_equals_plain_greedy_token_for_token(plain, spec, ngram):
         k = int(rng.integers(1, 9))
         ref = plain.generate(prompt, max_tokens=48, verify="strict")
         for eng in (spec, ngram):
-            out = eng.generate(prompt, max_tokens=48, verify="strict", draft_max=k)
+            out = eng.generate(prompt, max_tokens=48, verify="strict", draft_max=k, adaptive=False)
             assert out.tokens == ref.tokens, (prompt, k, eng.drafter_kind)
+            assert eng.generate(prompt, max_tokens=48, verify="strict", draft_max=k).tokens == ref.tokens
             assert out.text == ref.text
             assert out.stats.n_relaxed == 0
             accepted += out.stats.n_accepted
     assert accepted > 100  # the drafts were really exercised
+
+
+def test_strict_sampling_equals_plain_sampling_for_the_same_seed(plain, spec, ngram):
+    """Sample-and-compare on position-keyed draws: drafting never changes a seeded sample."""
+    for seed in range(8):
+        kw = dict(max_tokens=40, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+        ref = plain.generate("hello world the", **kw)
+        for eng in (spec, ngram):
+            for adaptive in (False, True):
+                out = eng.generate("hello world the", verify="strict", draft_max=4, adaptive=adaptive, **kw)
+                assert out.tokens == ref.tokens, (seed, eng.drafter_kind, adaptive)
 
 
 def test_plain_decoding_is_one_token_per_round(plain):
