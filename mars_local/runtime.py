@@ -380,6 +380,12 @@ class Context:
 
         Returns the number of tokens that had to be evaluated.
         """
+        # An interrupted decode (Ctrl-C between llama_decode and the mirror
+        # update) can leave the cache longer than the mirror: trust the cache.
+        pos_max = int(C.llama_memory_seq_pos_max(self.mem, 0))
+        if pos_max + 1 != len(self.tokens):
+            C.llama_memory_seq_rm(self.mem, 0, min(len(self.tokens), pos_max + 1), -1)
+            del self.tokens[pos_max + 1 :]
         keep = self.common_prefix(tokens)
         self.truncate(keep)
         rest = list(tokens[keep:])

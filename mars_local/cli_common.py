@@ -1,0 +1,173 @@
+"""Options shared by `mars run`, `mars chat` and `mars batch`, and how they become
+an :class:`~mars_local.engine.Engine` and a :class:`~mars_local.engine.GenerateConfig`.
+
+Flag names follow llama.cpp (`-m`, `-md`, `-ngl`, `-ngld`, `-c`, `-n`, `--temp`,
+`-s`, `-t`, `--draft-max/--draft-min/--draft-p-min`), with the newer
+`--spec-draft-*` spellings and mlx-lm's `--draft-model/--num-draft-tokens` as
+aliases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import MarsError
+
+# Option objects are plain metadata, so each command reuses them as defaults.
+MODEL = typer.Option(None, "-m", "--model", help="Target GGUF: path, hf:REPO/FILE or registry name.")
+MODEL_DRAFT = typer.Option(
+    None, "-md", "--model-draft", "--spec-draft-model", "--draft-model", help="Draft GGUF of the same tokenizer."
+)
+DRAFTER = typer.Option(None, "--drafter", help="model, ngram or none (default: the pair's, or model with -md).")
+NO_DRAFT = typer.Option(False, "--no-draft", help="Plain decoding (no speculation).")
+VERIFY = typer.Option("mars", "--verify", help="Verification rule: strict (lossless) or mars.")
+THETA = typer.Option(None, "--theta", help="MARS margin threshold in (0, 1] (default: the pair's, 0.9).")
+MAX_RELAXED = typer.Option(None, "--max-relaxed", help="Cap on MARS-relaxed accepts per window (default: none).")
+DRAFT_MAX = typer.Option(
+    None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
+    help="Maximum draft length k (default: the pair's).",
+)
+DRAFT_MIN = typer.Option(0, "--draft-min", "--spec-draft-n-min", "--draft-n-min", help="Drop shorter drafts.")
+DRAFT_P_MIN = typer.Option(
+    0.0, "--draft-p-min", "--spec-draft-p-min", help="Stop drafting below this draft top-token probability."
+)
+DRAFT_SAMPLING = typer.Option("greedy", "--draft-sampling", help="greedy or sample (draft model only).")
+ADAPTIVE = typer.Option(
+    True, "--adaptive/--no-adaptive",
+    help="Choose the draft length per round from measured costs and acceptance (k = 0 included); "
+    "--no-adaptive drafts --draft-max tokens every round.",
+)
+N_PREDICT = typer.Option(256, "-n", "--n-predict", "--predict", help="Maximum tokens to generate.")
+TEMP = typer.Option(0.0, "--temp", "--temperature", help="Temperature; 0 = greedy.")
+TOP_K = typer.Option(40, "--top-k", help="Top-k truncation (0 = off).")
+TOP_P = typer.Option(0.95, "--top-p", help="Top-p truncation (1 = off).")
+MIN_P = typer.Option(0.05, "--min-p", help="Min-p truncation (0 = off).")
+SEED = typer.Option(-1, "-s", "--seed", help="Random seed; -1 = random.")
+CTX_SIZE = typer.Option(4096, "-c", "--ctx-size", help="Context size in tokens.")
+NGL = typer.Option(None, "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target GPU layers: N, auto or all.")
+NGLD = typer.Option(
+    None, "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl", help="Draft GPU layers."
+)
+THREADS = typer.Option(None, "-t", "--threads", help="CPU threads (default: physical cores).")
+FAST_KERNELS = typer.Option(
+    False, "--fast-kernels",
+    help="Allow llama.cpp's repacked weight kernels for the target (~10%% faster on K-quants on CPU); "
+    "strict greedy output may then differ from plain decoding at near-ties.",
+)
+
+
+@dataclass
+class ModelChoice:
+    target: Path
+    draft: Optional[Path]
+    drafter: str
+    theta: float
+    draft_max: int
+    label: str
+
+
+def choose_models(
+    model: Optional[str], model_draft: Optional[str], drafter: Optional[str], no_draft: bool
+) -> ModelChoice:
+    """Resolve -m/-md/--drafter/--no-draft against the registry defaults."""
+    from .registry import load_registry, model_path, resolve_model
+
+    if no_draft and (model_draft is not None or drafter not in (None, "none")):
+        raise MarsError("--no-draft contradicts -md/--model-draft and --drafter")
+    if model_draft is not None and drafter not in (None, "model"):
+        raise MarsError(f"-md/--model-draft contradicts --drafter {drafter}")
+    reg = load_registry()
+    theta, draft_max, draft = 0.9, 8, None
+    if model is None or model in reg.pairs:
+        pair = reg.get(model or reg.default)
+        target = model_path(pair, "target")
+        theta, draft_max, label = pair.theta, pair.draft_max, pair.name
+        if not no_draft and model_draft is None and drafter in (None, pair.drafter):
+            drafter = pair.drafter
+            if drafter == "model":
+                draft = model_path(pair, "draft")
+    else:
+        target, label = resolve_model(model, reg), model
+    if model_draft is not None:
+        draft, drafter = resolve_model(model_draft, reg), "model"
+    if no_draft:
+        drafter = "none"
+    drafter = drafter or ("model" if draft is not None else "none")
+    if drafter == "model" and draft is None:
+        raise MarsError("--drafter model needs a draft model (-md DRAFT.gguf)")
+    return ModelChoice(target, draft if drafter == "model" else None, drafter, theta, draft_max, label)
+
+
+def gpu_layers(value: Optional[str], flag: str) -> Optional[int]:
+    """-ngl/-ngld: a number, 'all' (-1) or 'auto' (None: all when a GPU backend exists)."""
+    if value is None or value == "auto":
+        return None
+    if value == "all":
+        return -1
+    try:
+        return int(value)
+    except ValueError:
+        raise MarsError(f"{flag} must be a number, 'auto' or 'all', got {value!r}") from None
+
+
+def open_engine(
+    choice: ModelChoice,
+    ctx_size: int,
+    ngl: Optional[str],
+    ngld: Optional[str],
+    threads: Optional[int],
+    fast_kernels: bool,
+):
+    from .engine import Engine
+
+    if threads is not None and threads < 1:
+        raise MarsError(f"--threads must be >= 1, got {threads}")
+    return Engine(
+        choice.target,
+        choice.draft,
+        drafter=choice.drafter,
+        n_ctx=ctx_size,
+        n_gpu_layers=gpu_layers(ngl, "-ngl"),
+        n_gpu_layers_draft=gpu_layers(ngld, "-ngld"),
+        n_threads=threads,
+        exact_kernels=not fast_kernels,
+    )
+
+
+def make_config(choice: ModelChoice, *, theta, draft_max, **options):
+    """A validated GenerateConfig; θ and k default to the pair's recommendation."""
+    from .engine import GenerateConfig
+
+    return GenerateConfig.make(
+        theta=theta if theta is not None else choice.theta,
+        draft_max=draft_max if draft_max is not None else choice.draft_max,
+        **options,
+    )
+
+
+def format_stats(s, choice: ModelChoice) -> str:
+    """An ollama-style summary with the speculation counters."""
+    share = f", {s.relaxed_share:.0%} of accepts relaxed" if s.n_accepted else ""
+    lines = [
+        f"model:                {choice.label} (drafter: {choice.drafter})",
+        f"prompt eval count:    {s.n_prompt} token(s) ({s.n_prompt_evaluated} evaluated, rest reused from cache)",
+        f"prompt eval duration: {s.time_prompt_s * 1000:.1f} ms",
+        f"eval count:           {s.n_generated} token(s)",
+        f"eval duration:        {(s.time_total_s - s.time_prompt_s) * 1000:.1f} ms",
+        f"eval rate:            {s.tokens_per_second:.2f} tokens/s",
+        f"target forwards:      {s.n_rounds}",
+        f"drafted / accepted:   {s.n_drafted} / {s.n_accepted} "
+        f"(acceptance {s.acceptance_rate:.1%}, relaxed {s.n_relaxed}{share})",
+        f"mean accepted length: {s.mean_accepted_length:.2f} tokens per target forward",
+        "time split:           target {:.1f} ms, draft {:.1f} ms, verify {:.1f} ms ({})".format(
+            s.time_target_s * 1000, s.time_draft_s * 1000, s.time_verify_s * 1000, s.verify_backend
+        ),
+        f"draft length:         {'adaptive' if s.adaptive else 'fixed'}"
+        + (f", mean k {sum(s.k_per_round) / len(s.k_per_round):.2f}" if s.k_per_round else ""),
+        f"stop reason:          {s.stop_reason}",
+    ]
+    return "\n".join(lines)

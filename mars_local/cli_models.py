@@ -1,0 +1,141 @@
+"""`mars models`, `mars pull` and `mars doctor`."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from typer import echo
+
+from .cli import app
+from .errors import MarsError
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)  # pragma: no cover
+
+
+def registry_rows() -> tuple[object, list[dict]]:
+    from .hub import describe
+    from .registry import load_registry
+
+    reg = load_registry()
+    rows = []
+    for name, pair in reg.pairs.items():
+        rows.append(
+            {
+                "name": name,
+                "default": name == reg.default,
+                "description": pair.description,
+                "target": describe(pair.target),
+                "draft": describe(pair.draft) if pair.draft else None,
+                "drafter": pair.drafter,
+                "theta": pair.theta,
+                "draft_max": pair.draft_max,
+            }
+        )
+    return reg, rows
+
+
+@app.command()
+def models(as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON.")) -> None:
+    """The model registry (models.yaml plus your own), with what is on this machine."""
+    reg, rows = registry_rows()
+    if as_json:
+        echo(json.dumps({"sources": reg.sources, "default": reg.default, "models": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in ("NAME", "TARGET", "DRAFT", "DRAFTER", "θ", "K", "LOCAL", "SIZE"):
+        table.add_column(col, no_wrap=col in ("NAME", "LOCAL", "SIZE"))
+    for r in rows:
+        parts = [r["target"]] + ([r["draft"]] if r["draft"] else [])
+        present = all(p["present"] for p in parts)
+        size = sum(p["size"] or 0 for p in parts) if present else None
+        table.add_row(
+            r["name"] + (" (default)" if r["default"] else ""),
+            r["target"]["file"],
+            r["draft"]["file"] if r["draft"] else "-",
+            r["drafter"],
+            f"{r['theta']:g}",
+            str(r["draft_max"]),
+            "yes" if present else "no",
+            _size(size),
+        )
+    Console().print(table)
+    echo(f"registry: {', '.join(reg.sources)}; `mars pull NAME` downloads a pair, --json shows the sources")
+
+
+@app.command()
+def pull(
+    name: str = typer.Argument(..., help="A registry name (see `mars models`) or hf:OWNER/REPO/FILE.gguf."),
+    force: bool = typer.Option(False, "--force", help="Download again even if cached."),
+) -> None:
+    """Download a pair's target and draft into the Hugging Face cache (resumable)."""
+    from .hub import download_file, pull_pair
+    from .registry import load_registry
+
+    if name.startswith("hf:"):
+        parts = name[3:].split("/")
+        if len(parts) < 3:
+            raise MarsError(f"{name!r}: expected hf:OWNER/REPO/FILE.gguf")
+        paths = [download_file("/".join(parts[:2]), "/".join(parts[2:]), force=force)]
+    else:
+        paths = pull_pair(load_registry().get(name), force=force)
+    for p in paths:
+        echo(str(p))
+
+
+def doctor_report() -> dict:
+    from . import __version__
+    from .runtime import backend_info
+
+    info = backend_info()
+    try:
+        from . import native
+
+        native_ok = bool(native.available())
+    except ImportError:
+        native_ok = False
+    _, rows = registry_rows()
+    return {
+        "mars_local": __version__,
+        "llama_cpp_python": info["llama_cpp_python"],
+        "backend": info["backend"],
+        "gpu_offload": info["gpu_offload"],
+        "native_hot_path": native_ok,
+        "verify_backend": "native" if native_ok else "numpy",
+        "system_info": info["system_info"],
+        "models": {
+            r["name"]: all(p["present"] for p in [r["target"]] + ([r["draft"]] if r["draft"] else [])) for r in rows
+        },
+    }
+
+
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
+    """What this installation can do: llama.cpp build, backend, GPU offload, hot path, models."""
+    rep = doctor_report()
+    if as_json:
+        echo(json.dumps(rep, indent=2))
+        return
+    avail = [n for n, ok in rep["models"].items() if ok]
+    lines = [
+        f"mars-local:           {rep['mars_local']}",
+        f"llama-cpp-python:     {rep['llama_cpp_python']}",
+        f"backend:              {rep['backend']}",
+        f"GPU offload:          {'yes' if rep['gpu_offload'] else 'no (CPU build; rebuild with CMAKE_ARGS=-DGGML_CUDA=on or -DGGML_METAL=on)'}",
+        f"native hot path:      {'yes' if rep['native_hot_path'] else 'no (verification runs in numpy)'}",
+        f"models on this disk:  {', '.join(avail) if avail else 'none (mars pull NAME)'}",
+        f"system:               {rep['system_info']}",
+    ]
+    echo("\n".join(lines))
