@@ -22,7 +22,7 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml scripts/build_llama_cpp.sh
 	touch $@
 
 run: install
-	$(BIN)/mars run --stats "$(PROMPT)"
+	$(BIN)/mars run --chat --stats "$(PROMPT)"
 
 test: install
 	$(BIN)/python -m pytest -q

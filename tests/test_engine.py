@@ -239,3 +239,16 @@ def test_prompt_longer_than_the_context_is_refused(tiny_target):
             eng.generate("hello " * 100, max_tokens=4)
         with pytest.raises(MarsError, match="outside the vocabulary"):
             eng.generate([1, 99999], max_tokens=4)
+
+
+def test_recurrent_models_are_refused_for_drafting(tiny_target, tiny_draft, monkeypatch):
+    """A cache that cannot be partially rolled back (Mamba, RWKV, hybrids) must not speculate."""
+    from mars_local import runtime
+
+    monkeypatch.setattr(runtime.C, "llama_model_is_recurrent", lambda model: True)
+    with pytest.raises(MarsError, match="recurrent"):
+        Engine(tiny_target, drafter="ngram")
+    with pytest.raises(MarsError, match="recurrent"):
+        Engine(tiny_target, tiny_draft)
+    with Engine(tiny_target) as plain:  # plain decoding still works
+        assert plain.generate("hello", max_tokens=3).stats.n_generated >= 1
