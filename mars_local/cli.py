@@ -100,31 +100,10 @@ def read_prompt(prompt: Optional[str]) -> str:
 
 
 @app.command()
+@opt.generation_options
 def run(
     prompt: Optional[str] = typer.Argument(None, help="The prompt; '-' or omitted reads standard input."),
-    model: Optional[str] = opt.MODEL,
-    model_draft: Optional[str] = opt.MODEL_DRAFT,
-    drafter: Optional[str] = opt.DRAFTER,
-    no_draft: bool = opt.NO_DRAFT,
-    verify: str = opt.VERIFY,
-    theta: Optional[float] = opt.THETA,
-    max_relaxed: Optional[int] = opt.MAX_RELAXED,
-    draft_max: Optional[int] = opt.DRAFT_MAX,
-    draft_min: int = opt.DRAFT_MIN,
-    draft_p_min: float = opt.DRAFT_P_MIN,
-    draft_sampling: str = opt.DRAFT_SAMPLING,
-    adaptive: bool = opt.ADAPTIVE,
     n_predict: int = opt.N_PREDICT,
-    temp: float = opt.TEMP,
-    top_k: int = opt.TOP_K,
-    top_p: float = opt.TOP_P,
-    min_p: float = opt.MIN_P,
-    seed: int = opt.SEED,
-    ctx_size: int = opt.CTX_SIZE,
-    ngl: Optional[str] = opt.NGL,
-    ngld: Optional[str] = opt.NGLD,
-    threads: Optional[int] = opt.THREADS,
-    fast_kernels: bool = opt.FAST_KERNELS,
     chat: bool = typer.Option(False, "--chat", help="Wrap PROMPT in the model's chat template as a user turn."),
     system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt (implies --chat)."),
     show_acceptance: bool = typer.Option(
@@ -133,16 +112,13 @@ def run(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {text, tokens, stats} and nothing else."),
     stats: bool = typer.Option(False, "--stats", "--verbose", "-v", help="Print a timing and acceptance summary to stderr."),
+    gen: opt.GenOptions = None,
 ) -> None:
     """Generate a completion for PROMPT (streamed as it is verified)."""
     text = read_prompt(prompt)
-    choice = opt.choose_models(model, model_draft, drafter, no_draft)
-    cfg = opt.make_config(
-        choice, theta=theta, draft_max=draft_max, max_tokens=n_predict, verify=verify, max_relaxed=max_relaxed,
-        draft_min=draft_min, draft_p_min=draft_p_min, draft_sampling=draft_sampling, adaptive=adaptive,
-        temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-    )
-    eng = opt.open_engine(choice, ctx_size, ngl, ngld, threads, fast_kernels)
+    choice = gen.choice()
+    cfg = gen.config(choice, n_predict)
+    eng = gen.engine(choice)
     try:
         if chat or system is not None:
             messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]

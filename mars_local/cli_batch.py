@@ -123,41 +123,17 @@ def _config_for(base, settings: dict, line_no: int):
 
 
 @app.command()
+@opt.generation_options
 def batch(
     input: str = typer.Argument(..., help="Input JSONL ('-' for standard input)."),
     output: str = typer.Option(..., "-o", "--output", help="Output JSONL ('-' for standard output)."),
     strict: bool = typer.Option(False, "--strict", help="Stop at the first malformed input line."),
-    model: Optional[str] = opt.MODEL,
-    model_draft: Optional[str] = opt.MODEL_DRAFT,
-    drafter: Optional[str] = opt.DRAFTER,
-    no_draft: bool = opt.NO_DRAFT,
-    verify: str = opt.VERIFY,
-    theta: Optional[float] = opt.THETA,
-    max_relaxed: Optional[int] = opt.MAX_RELAXED,
-    draft_max: Optional[int] = opt.DRAFT_MAX,
-    draft_min: int = opt.DRAFT_MIN,
-    draft_p_min: float = opt.DRAFT_P_MIN,
-    draft_sampling: str = opt.DRAFT_SAMPLING,
-    adaptive: bool = opt.ADAPTIVE,
     n_predict: int = opt.N_PREDICT,
-    temp: float = opt.TEMP,
-    top_k: int = opt.TOP_K,
-    top_p: float = opt.TOP_P,
-    min_p: float = opt.MIN_P,
-    seed: int = opt.SEED,
-    ctx_size: int = opt.CTX_SIZE,
-    ngl: Optional[str] = opt.NGL,
-    ngld: Optional[str] = opt.NGLD,
-    threads: Optional[int] = opt.THREADS,
-    fast_kernels: bool = opt.FAST_KERNELS,
+    gen: opt.GenOptions = None,
 ) -> None:
     """Generate for every line of INPUT, appending {id, text, stats} lines to OUTPUT."""
-    choice = opt.choose_models(model, model_draft, drafter, no_draft)
-    base = opt.make_config(
-        choice, theta=theta, draft_max=draft_max, max_tokens=n_predict, verify=verify, max_relaxed=max_relaxed,
-        draft_min=draft_min, draft_p_min=draft_p_min, draft_sampling=draft_sampling, adaptive=adaptive,
-        temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-    )
+    choice = gen.choice()
+    base = gen.config(choice, n_predict)
     if input == "-":
         lines = sys.stdin.read().splitlines()
     else:
@@ -177,7 +153,7 @@ def batch(
     if not todo:
         echo(f"nothing to do: all {len(records)} record(s) are already in {output}", err=True)
         return
-    eng = opt.open_engine(choice, ctx_size, ngl, ngld, threads, fast_kernels)
+    eng = gen.engine(choice)
     out = sys.stdout if to_stdout else open(output, "a", encoding="utf-8")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

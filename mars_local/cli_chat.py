@@ -131,41 +131,17 @@ class ChatSession:
 
 
 @app.command()
+@opt.generation_options
 def chat(
-    model: Optional[str] = opt.MODEL,
-    model_draft: Optional[str] = opt.MODEL_DRAFT,
-    drafter: Optional[str] = opt.DRAFTER,
-    no_draft: bool = opt.NO_DRAFT,
-    verify: str = opt.VERIFY,
-    theta: Optional[float] = opt.THETA,
-    max_relaxed: Optional[int] = opt.MAX_RELAXED,
-    draft_max: Optional[int] = opt.DRAFT_MAX,
-    draft_min: int = opt.DRAFT_MIN,
-    draft_p_min: float = opt.DRAFT_P_MIN,
-    draft_sampling: str = opt.DRAFT_SAMPLING,
-    adaptive: bool = opt.ADAPTIVE,
     n_predict: int = typer.Option(512, "-n", "--n-predict", "--predict", help="Maximum tokens per answer."),
-    temp: float = opt.TEMP,
-    top_k: int = opt.TOP_K,
-    top_p: float = opt.TOP_P,
-    min_p: float = opt.MIN_P,
-    seed: int = opt.SEED,
-    ctx_size: int = opt.CTX_SIZE,
-    ngl: Optional[str] = opt.NGL,
-    ngld: Optional[str] = opt.NGLD,
-    threads: Optional[int] = opt.THREADS,
-    fast_kernels: bool = opt.FAST_KERNELS,
     system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt."),
     show_acceptance: bool = typer.Option(False, "--show-acceptance", "--color-draft", help="Colour tokens by origin."),
+    gen: opt.GenOptions = None,
 ) -> None:
     """Chat with a model in the terminal (/help for commands, Ctrl-D to leave)."""
-    choice = opt.choose_models(model, model_draft, drafter, no_draft)
-    cfg = opt.make_config(
-        choice, theta=theta, draft_max=draft_max, max_tokens=n_predict, verify=verify, max_relaxed=max_relaxed,
-        draft_min=draft_min, draft_p_min=draft_p_min, draft_sampling=draft_sampling, adaptive=adaptive,
-        temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-    )
-    eng = opt.open_engine(choice, ctx_size, ngl, ngld, threads, fast_kernels)
+    choice = gen.choice()
+    cfg = gen.config(choice, n_predict)
+    eng = gen.engine(choice)
     if not eng.target.chat_template():
         eng.close()
         raise MarsError(f"{choice.label} has no chat template; use `mars run` instead")

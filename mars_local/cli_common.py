@@ -9,7 +9,10 @@ aliases.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import inspect
+import typing
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -171,3 +174,81 @@ def format_stats(s, choice: ModelChoice) -> str:
         f"stop reason:          {s.stop_reason}",
     ]
     return "\n".join(lines)
+
+
+@dataclass
+class GenOptions:
+    """The model and generation flags shared by run, chat and batch."""
+
+    model: Optional[str] = None
+    model_draft: Optional[str] = None
+    drafter: Optional[str] = None
+    no_draft: bool = False
+    verify: str = "mars"
+    theta: Optional[float] = None
+    max_relaxed: Optional[int] = None
+    draft_max: Optional[int] = None
+    draft_min: int = 0
+    draft_p_min: float = 0.0
+    draft_sampling: str = "greedy"
+    adaptive: bool = True
+    temp: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1
+    ctx_size: int = 4096
+    ngl: Optional[str] = None
+    ngld: Optional[str] = None
+    threads: Optional[int] = None
+    fast_kernels: bool = False
+
+    def choice(self) -> ModelChoice:
+        return choose_models(self.model, self.model_draft, self.drafter, self.no_draft)
+
+    def config(self, choice: ModelChoice, max_tokens: int):
+        return make_config(
+            choice, theta=self.theta, draft_max=self.draft_max, max_tokens=max_tokens, verify=self.verify,
+            max_relaxed=self.max_relaxed, draft_min=self.draft_min, draft_p_min=self.draft_p_min,
+            draft_sampling=self.draft_sampling, adaptive=self.adaptive, temperature=self.temp, top_k=self.top_k,
+            top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+        )
+
+    def engine(self, choice: ModelChoice):
+        return open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels)
+
+
+_OPTION_INFO = {
+    "model": MODEL, "model_draft": MODEL_DRAFT, "drafter": DRAFTER, "no_draft": NO_DRAFT, "verify": VERIFY,
+    "theta": THETA, "max_relaxed": MAX_RELAXED, "draft_max": DRAFT_MAX, "draft_min": DRAFT_MIN,
+    "draft_p_min": DRAFT_P_MIN, "draft_sampling": DRAFT_SAMPLING, "adaptive": ADAPTIVE, "temp": TEMP,
+    "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "seed": SEED, "ctx_size": CTX_SIZE, "ngl": NGL, "ngld": NGLD,
+    "threads": THREADS, "fast_kernels": FAST_KERNELS,
+}
+
+
+def generation_options(fn):
+    """Give a command every GenOptions flag; it receives them as ``gen: GenOptions``.
+
+    Typer reads a command's parameters from its signature, so the wrapper
+    advertises the command's own parameters followed by the shared ones.
+    """
+    sig = inspect.signature(fn)
+    own = [p for p in sig.parameters.values() if p.name != "gen"]
+    hints = {k: v for k, v in typing.get_type_hints(fn).items() if k not in ("gen", "return")}
+    shared_hints = typing.get_type_hints(GenOptions)
+    shared = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=_OPTION_INFO[f.name],
+                          annotation=shared_hints[f.name])
+        for f in fields(GenOptions)
+    ]
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        gen = GenOptions(**{f.name: kwargs.pop(f.name) for f in fields(GenOptions)})
+        return fn(*args, gen=gen, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=own + shared)
+    wrapper.__annotations__ = {**hints, **{p.name: p.annotation for p in shared}}
+    del wrapper.__wrapped__
+    return wrapper
