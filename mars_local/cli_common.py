@@ -166,8 +166,8 @@ def format_stats(s, choice: ModelChoice) -> str:
         f"drafted / accepted:   {s.n_drafted} / {s.n_accepted} "
         f"(acceptance {s.acceptance_rate:.1%}, relaxed {s.n_relaxed}{share})",
         f"mean accepted length: {s.mean_accepted_length:.2f} tokens per target forward",
-        "time split:           target {:.1f} ms, draft {:.1f} ms, verify {:.1f} ms ({})".format(
-            s.time_target_s * 1000, s.time_draft_s * 1000, s.time_verify_s * 1000, s.verify_backend
+        "time split:           target {:.1f} ms, draft {:.1f} ms, verify {:.1f} ms ({}, {:.1%} of decode)".format(
+            s.time_target_s * 1000, s.time_draft_s * 1000, s.time_verify_s * 1000, s.verify_backend, s.verify_share
         ),
         f"draft length:         {'adaptive' if s.adaptive else 'fixed'}"
         + (f", mean k {sum(s.k_per_round) / len(s.k_per_round):.2f}" if s.k_per_round else ""),

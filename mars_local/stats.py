@@ -31,6 +31,7 @@ class SpecStats:
     time_verify_s        the verification rule itself.
     time_total_s         wall time of the whole generation.
     tokens_per_second    n_generated / (time_total_s - time_prompt_s).
+    verify_share         time_verify_s / (time_total_s - time_prompt_s).
     stop_reason          "eog", "length" (max tokens) or "context" (full).
     """
 
@@ -69,6 +70,12 @@ class SpecStats:
     @property
     def per_position_acceptance(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    @property
+    def verify_share(self) -> float:
+        """Share of the decode wall time spent in the verification rule."""
+        t = self.time_total_s - self.time_prompt_s
+        return self.time_verify_s / t if t > 0 else 0.0
 
     @property
     def tokens_per_second(self) -> float:
@@ -113,6 +120,7 @@ class SpecStats:
             "time_verify_s": self.time_verify_s,
             "time_total_s": self.time_total_s,
             "tokens_per_second": self.tokens_per_second,
+            "verify_share": self.verify_share,
             "stop_reason": self.stop_reason,
             "verify_backend": self.verify_backend,
             "adaptive": self.adaptive,
