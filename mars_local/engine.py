@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import native
 from .adaptive import AdaptiveK
 from .drafters import EMPTY_DRAFT, Drafter, ModelDrafter, NgramDrafter
 from .errors import MarsError
@@ -271,6 +272,9 @@ class Engine:
         is_eog = self.target.is_eog
         params = cfg.sampling
         cheap = isinstance(drafter, NgramDrafter)
+        use_native = native.available()  # the patched libllama's kernel; same results as numpy
+        verify_window = native.verify if use_native else verify
+        stats.verify_backend = "native" if use_native else "numpy"
         generated = 0
         try:
             while True:
@@ -296,7 +300,8 @@ class Engine:
                 logits = tgt.eval([tokens[-1]] + draft.tokens, n_out=len(draft) + 1)
                 t2 = clock()
                 u = None if params.greedy else position_uniforms(seed, len(tokens), len(draft) + 1)
-                res = verify(logits, np.asarray(draft.tokens, dtype=np.int64), vcfg, params, None, draft.probs, u)
+                d = np.asarray(draft.tokens, dtype=np.int64)
+                res = verify_window(logits, d, vcfg, params, None, draft.probs, u)
                 t3 = clock()
                 tgt.truncate(base + 1 + res.n_accepted)
                 new = res.tokens

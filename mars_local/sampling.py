@@ -7,17 +7,44 @@ greedy (argmax) and no probability vector is ever built.
 Probabilities are dense float64 rows over the whole vocabulary (zeros outside
 the kept set): verification windows are at most a few dozen rows, and dense
 rows keep the (p - q)+ residual a single vectorised subtraction.
+
+Exact definition (the native kernel, mars_local/native.py, reproduces it bit
+for bit, so both give the same tokens):
+
+* rank order: logit descending, then token id ascending.  top-k keeps the
+  first k ids in rank order, so among exactly equal logits at the k-th place
+  the lowest ids are kept.
+* untempered p1 = e / S1 over the top-k candidates, e = exp(z - max z); top-p
+  keeps a token while the mass of the tokens before it in rank order,
+  ``cumsum(p1) - p1``, is < top_p; min-p keeps p1 >= min_p * p1(top-1); the
+  kept set is the longest rank-order prefix on which both hold (the top-1 is
+  always kept).
+* tempered p = e' / S2 over the kept set, e' = exp(z / T - max(z / T)).
+* every normaliser (S1, S2, and the CDF total in verification) is a sequential
+  sum in ascending token-id order (``np.cumsum``, not numpy's pairwise
+  ``sum``), and exp is ``exp_nonpositive`` below, built from IEEE basic
+  operations only, because numpy's SIMD exp differs from libm's in the last
+  bit for a few percent of inputs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import MarsError
 
-__all__ = ["SamplingParams", "position_uniforms", "probabilities", "sample_from", "top_probability"]
+__all__ = [
+    "SamplingParams",
+    "exp_nonpositive",
+    "position_uniforms",
+    "probabilities",
+    "sample_from",
+    "top_k_ids",
+    "top_probability",
+]
 
 
 @dataclass(frozen=True)
@@ -72,10 +99,48 @@ def position_uniforms(seed: int, start: int, n: int, stream: int = 0) -> np.ndar
     return np.stack([np.random.default_rng([seed, start + i, stream]).random(2) for i in range(n)])
 
 
-def _softmax_rows(z: np.ndarray) -> np.ndarray:
-    z = z - z.max(axis=-1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+# exp for x <= 0 from IEEE-754 basic operations only (no libm, no numpy SIMD
+# exp), so that C code doing the same operations in the same order (without
+# FMA contraction) gets the same bits: x = n ln2 + r, |r| <= ln2/2 (Cody-Waite
+# with a two-part ln2), exp(r) by its Taylor polynomial of degree 13 in Horner
+# form, then scaled by 2^n.  Accurate to about 1 ulp; exp(x) = 0 below -746.
+_LOG2E = float.fromhex("0x1.71547652b82fep+0")
+_LN2_HI = float.fromhex("0x1.62e42fee00000p-1")
+_LN2_LO = float.fromhex("0x1.a39ef35793c76p-33")
+_EXP_POLY = tuple(1.0 / math.factorial(i) for i in range(13, -1, -1))  # 1/13! .. 1/0!
+
+
+def exp_nonpositive(x) -> np.ndarray:
+    """exp(x) for x <= 0 (float64), reproducible bit for bit in C."""
+    x = np.maximum(np.asarray(x, dtype=np.float64), -746.0)
+    n = np.rint(x * _LOG2E)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = np.full_like(r, _EXP_POLY[0])
+    for c in _EXP_POLY[1:]:
+        p *= r
+        p += c
+    return np.ldexp(p, n.astype(np.int32))
+
+
+def _seq_sum(e: np.ndarray) -> np.ndarray:
+    """Row sums in index order, one addition at a time: (n, V) -> (n, 1)."""
+    return np.cumsum(e, axis=-1)[:, -1:]
+
+
+def top_k_ids(z: np.ndarray, k: int) -> np.ndarray:
+    """Ascending ids of the k best tokens of each row of ``z`` (n, V) in rank
+    order (logit descending, id ascending): ties at the k-th place keep the
+    lowest ids.  Returns (n, k)."""
+    n, vocab = z.shape
+    kth = np.partition(z, vocab - k, axis=1)[:, vocab - k]  # k-th largest logit
+    out = np.empty((n, k), dtype=np.intp)
+    for i in range(n):
+        ids = np.flatnonzero(z[i] >= kth[i])
+        if len(ids) > k:  # exact ties at the k-th place
+            above = ids[z[i, ids] > kth[i]]
+            ids = np.sort(np.concatenate([above, ids[z[i, ids] == kth[i]][: k - len(above)]]))
+        out[i] = ids
+    return out
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -88,33 +153,43 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     single = logits.ndim == 1
     z = np.atleast_2d(np.asarray(logits, dtype=np.float64))
     n, vocab = z.shape
-    k = params.top_k if 0 < params.top_k < vocab else vocab
+    rows = np.arange(n)[:, None]
 
-    # Candidate set: the top-k ids per row (all ids when top-k is off), sorted
-    # by descending logit so top-p is a prefix.
-    if k < vocab:
-        cand = np.argpartition(-z, k - 1, axis=1)[:, :k]
+    # Candidates in id order: the top-k ids (all ids when top-k is off).
+    if 0 < params.top_k < vocab:
+        cand = top_k_ids(z, params.top_k)
+        cz = z[rows, cand]
     else:
-        cand = np.broadcast_to(np.arange(vocab), (n, vocab))
-    cz = np.take_along_axis(z, cand, axis=1)
-    order = np.argsort(-cz, axis=1, kind="stable")
-    cand = np.take_along_axis(cand, order, axis=1)
-    cz = np.take_along_axis(cz, order, axis=1)
+        cand = None
+        cz = z
+    top = cz.max(axis=1, keepdims=True)
 
-    keep = np.ones(cz.shape, dtype=bool)
+    keep = None
     if params.top_p < 1.0 or params.min_p > 0.0:
-        p1 = _softmax_rows(cz)  # untempered, over the candidates
+        e = exp_nonpositive(cz - top)
+        p1 = e / _seq_sum(e)  # untempered, over the candidates
+        order = np.argsort(-cz, axis=1, kind="stable")  # rank order (ids ascend within ties)
+        pr = p1[rows, order]
+        ok = np.ones(pr.shape, dtype=bool)
         if params.top_p < 1.0:
-            before = np.cumsum(p1, axis=1) - p1  # mass of strictly better tokens
-            keep &= before < params.top_p
+            before = np.cumsum(pr, axis=1) - pr  # mass of the tokens ranked before
+            ok &= before < params.top_p
         if params.min_p > 0.0:
-            keep &= p1 >= params.min_p * p1[:, :1]
-        keep[:, 0] = True  # always keep the best token
+            ok &= pr >= params.min_p * pr[:, :1]
+        ok[:, 0] = True  # always keep the best token
+        keep = np.empty_like(ok)
+        keep[rows, order] = np.logical_and.accumulate(ok, axis=1)  # a rank-order prefix
 
-    zt = np.where(keep, cz / params.temperature, -np.inf)
-    pt = _softmax_rows(zt)
-    out = np.zeros((n, vocab), dtype=np.float64)
-    np.put_along_axis(out, cand, pt, axis=1)
+    zt = cz / params.temperature
+    if keep is not None:
+        zt = np.where(keep, zt, -np.inf)
+    e = exp_nonpositive(zt - zt.max(axis=1, keepdims=True))
+    pt = e / _seq_sum(e)
+    if cand is None:
+        out = pt
+    else:
+        out = np.zeros((n, vocab), dtype=np.float64)
+        out[rows, cand] = pt
     return out[0] if single else out
 
 

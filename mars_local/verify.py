@@ -2,7 +2,8 @@
 
 Nothing here imports llama.cpp; every rule takes the target's logits for one
 verify window and the draft tokens, and returns which prefix is accepted and
-the token the target adds after it.
+the token the target adds after it.  ``mars_local.native.verify`` computes
+exactly the same results with the C kernel our llama.cpp patch adds.
 
 Glossary
 --------
@@ -32,6 +33,8 @@ bonus           the target's token at position k when all k are accepted.
 EOG             end-of-generation tokens; MARS never relaxes them, in either
                 direction (never accepts an EOG runner-up, never replaces an
                 EOG top-1).
+ties            every ranking (argmax, top-2, top-k, the top-p order) puts
+                exactly equal logits in ascending id order.
 
 Rules
 -----

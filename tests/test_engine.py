@@ -71,8 +71,8 @@ def test_plain_decoding_is_one_token_per_round(plain):
 
 def test_mars_with_theta_one_equals_strict(spec):
     for prompt in PROMPTS:
-        a = spec.generate(prompt, max_tokens=40, verify="strict")
-        b = spec.generate(prompt, max_tokens=40, verify="mars", theta=1.0)
+        a = spec.generate(prompt, max_tokens=40, verify="strict", adaptive=False)
+        b = spec.generate(prompt, max_tokens=40, verify="mars", theta=1.0, adaptive=False)
         assert a.tokens == b.tokens and b.stats.n_relaxed == 0
 
 
@@ -82,7 +82,7 @@ def test_mars_accepts_more_on_an_undecided_target(tiny_flat_target, tiny_flat_dr
         relaxed = 0
         for prompt in PROMPTS:
             for method in tot:
-                s = eng.generate(prompt, max_tokens=40, verify=method, theta=0.9).stats
+                s = eng.generate(prompt, max_tokens=40, verify=method, theta=0.9, adaptive=False).stats
                 tot[method][0] += s.n_generated
                 tot[method][1] += s.n_rounds
                 relaxed += s.n_relaxed if method == "mars" else 0
@@ -92,7 +92,7 @@ def test_mars_accepts_more_on_an_undecided_target(tiny_flat_target, tiny_flat_dr
 
 
 def test_stats_are_consistent(spec):
-    out = spec.generate("hello world", max_tokens=50, verify="mars", draft_max=4)
+    out = spec.generate("hello world", max_tokens=50, verify="mars", draft_max=4, adaptive=False)
     s = out.stats
     assert s.n_generated == len(out.tokens)
     assert s.n_accepted <= s.n_drafted
@@ -134,7 +134,7 @@ def test_strict_sampling_preserves_the_models_next_token_distribution(tiny_targe
         counts = np.zeros(len(p), dtype=np.int64)
         eog = list(eng.target.eog_ids)
         for seed in range(n):
-            out = eng.generate(toks, max_tokens=2, verify="strict", draft_max=3, draft_sampling=draft_sampling,
+            out = eng.generate(toks, max_tokens=2, verify="strict", draft_max=3, draft_sampling=draft_sampling, adaptive=False,
                                temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
             counts[out.tokens[0] if out.tokens else eog[0]] += 1  # an EOG ends it: pool EOG ids
     p[eog[0]] = p[eog].sum()

@@ -41,7 +41,7 @@ def test_ngram_strict_greedy_equals_plain(q41, smollm2):
         drafted = 0
         for prompt in PROMPTS:
             ref = q41.generate(prompt, max_tokens=N)
-            out = ng.generate(prompt, max_tokens=N, verify="strict", draft_max=6)
+            out = ng.generate(prompt, max_tokens=N, verify="strict", draft_max=6, adaptive=False)
             assert out.tokens == ref.tokens, prompt
             drafted += out.stats.n_accepted
         assert drafted > 0
@@ -51,7 +51,7 @@ def test_draft_model_strict_greedy_equals_plain(f16_pair, f16_plain):
     accepted = 0
     for prompt in PROMPTS:
         ref = f16_plain.generate(prompt, max_tokens=N)
-        out = f16_pair.generate(prompt, max_tokens=N, verify="strict", draft_max=6)
+        out = f16_pair.generate(prompt, max_tokens=N, verify="strict", draft_max=6, adaptive=False)
         assert out.tokens == ref.tokens, prompt
         accepted += out.stats.n_accepted
     assert accepted > N  # the Q4_1 draft agrees most of the time
@@ -63,7 +63,7 @@ def test_k_quant_target_strict_greedy_equals_plain(smollm2_q4km, smollm2):
     with Engine(smollm2_q4km, n_ctx=512) as plain, Engine(smollm2_q4km, smollm2, n_ctx=512) as pair:
         for prompt in PROMPTS + ["Once upon a time, in a small village,", "The quick brown fox"]:
             ref = plain.generate(prompt, max_tokens=N)
-            out = pair.generate(prompt, max_tokens=N, verify="strict", draft_max=6)
+            out = pair.generate(prompt, max_tokens=N, verify="strict", draft_max=6, adaptive=False)
             assert out.tokens == ref.tokens, prompt
 
 
@@ -71,8 +71,8 @@ def test_mars_accepted_length_above_strict(f16_pair):
     strict = mars = 0.0
     relaxed = 0
     for prompt in PROMPTS:
-        s = f16_pair.generate(prompt, max_tokens=N, verify="strict", draft_max=8).stats
-        m = f16_pair.generate(prompt, max_tokens=N, verify="mars", theta=0.9, draft_max=8).stats
+        s = f16_pair.generate(prompt, max_tokens=N, verify="strict", draft_max=8, adaptive=False).stats
+        m = f16_pair.generate(prompt, max_tokens=N, verify="mars", theta=0.9, draft_max=8, adaptive=False).stats
         strict += s.mean_accepted_length
         mars += m.mean_accepted_length
         relaxed += m.n_relaxed
