@@ -168,3 +168,4 @@ def main() -> None:
 from . import cli_chat  # noqa: E402,F401  (registers mars chat)
 from . import cli_batch  # noqa: E402,F401  (registers mars batch)
 from . import cli_models  # noqa: E402,F401  (registers mars models, pull, doctor)
+from . import cli_bench  # noqa: E402,F401  (registers mars bench)

@@ -1,0 +1,184 @@
+"""`mars bench`: plain vs strict vs MARS (and peers) on one prompt set.
+
+The work is in :mod:`mars_local.bench`; this module only parses options,
+resolves models and prints.  Importing it registers the command on
+:data:`mars_local.cli.app`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from . import cli_common as opt
+from .cli import app
+from .errors import MarsError
+
+
+def _split(value: Optional[str]) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def parse_thetas(value: str) -> tuple[float, ...]:
+    """'0.85,0.9,0.95' -> (0.85, 0.9, 0.95); every θ in (0, 1]."""
+    out = []
+    for part in _split(value):
+        try:
+            t = float(part)
+        except ValueError:
+            raise MarsError(f"--thetas: {part!r} is not a number") from None
+        if not (0.0 < t <= 1.0):
+            raise MarsError(f"theta must be in (0, 1], got {part}")
+        out.append(t)
+    if not out:
+        raise MarsError("--thetas needs at least one θ, e.g. 0.85,0.9,0.95")
+    return tuple(dict.fromkeys(out))
+
+
+def resolve_bench_models(pair: Optional[str], model: Optional[str], model_draft: Optional[str], drafter: Optional[str]):
+    """(target, draft, drafters, label, theta, draft_max) for --pair / -m / -md / --drafter.
+
+    Default drafters: the pair's own drafter (n-gram for the bundled model),
+    plus the draft model when -md is given; --drafter picks one.
+    """
+    from .registry import load_registry, model_path, resolve_model
+
+    if pair is not None and model is not None:
+        raise MarsError("--pair and -m/--model are exclusive")
+    if drafter is not None and drafter not in ("ngram", "model"):
+        raise MarsError(f"--drafter must be ngram or model, got {drafter!r}")
+    reg = load_registry()
+    name = pair if pair is not None else (model if model is None or model in reg.pairs else None)
+    draft = None
+    if name is not None or model is None:
+        p = reg.get(name or reg.default)
+        target, label, theta, draft_max = model_path(p, "target"), p.name, p.theta, p.draft_max
+        drafters = [p.drafter if p.drafter != "none" else "ngram"]
+        if p.draft is not None and model_draft is None and drafter in (None, "model") and "model" in drafters:
+            draft = model_path(p, "draft")
+    else:
+        target, label, theta, draft_max = resolve_model(model, reg), Path(model).name, 0.9, 8
+        drafters = ["ngram"]
+    if model_draft is not None:
+        draft = resolve_model(model_draft, reg)
+        drafters.append("model")
+    if drafter is not None:
+        drafters = [drafter]
+    drafters = list(dict.fromkeys(drafters))
+    if "model" in drafters and draft is None:
+        raise MarsError("--drafter model needs a draft model (-md DRAFT.gguf or a --pair with a draft)")
+    return target, draft if "model" in drafters else None, tuple(drafters), label, theta, draft_max
+
+
+@app.command()
+def bench(
+    pair: Optional[str] = typer.Option(None, "--pair", help="A models.yaml entry (see `mars models`)."),
+    model: Optional[str] = opt.MODEL,
+    model_draft: Optional[str] = opt.MODEL_DRAFT,
+    drafter: Optional[str] = typer.Option(
+        None, "--drafter", help="Benchmark only this drafter: ngram or model (default: the pair's, plus -md's)."
+    ),
+    prompts: Optional[List[Path]] = typer.Option(
+        None, "--prompts", metavar="FILE.jsonl", help="JSONL prompt file (repeatable); default: the built-in set in benchmarks/prompts."
+    ),
+    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories to keep."),
+    n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate per prompt."),
+    thetas: str = typer.Option("0.85,0.9,0.95", "--thetas", "--theta", help="Comma-separated MARS thresholds."),
+    draft_max: Optional[int] = typer.Option(
+        None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
+        help="Draft length k of fixed runs, the cap of adaptive runs (default: the pair's).",
+    ),
+    temp: float = opt.TEMP,
+    seed: int = typer.Option(0, "-s", "--seed", help="Seed of sampling runs (--temp > 0)."),
+    top_k: int = opt.TOP_K,
+    top_p: float = opt.TOP_P,
+    min_p: float = opt.MIN_P,
+    ctx_size: int = opt.CTX_SIZE,
+    ngl: Optional[str] = opt.NGL,
+    ngld: Optional[str] = opt.NGLD,
+    threads: Optional[int] = opt.THREADS,
+    quick: bool = typer.Option(False, "--quick", help="Smoke run: 1 prompt per category, 16 tokens, one θ."),
+    peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run llama-cpp-python's prompt-lookup decoding."),
+    llama_cpp_bin: Optional[Path] = typer.Option(
+        None, "--llama-cpp-bin", help="Folder with llama.cpp's llama-speculative-simple and llama-completion."
+    ),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON to this file."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of speedup and quality vs θ."),
+) -> None:
+    """Benchmark plain, strict and MARS decoding (speed and quality) on a prompt set."""
+    from rich.console import Console
+
+    from . import bench as B
+
+    theta_list = parse_thetas(thetas)
+    cats = _split(categories)
+    prompt_list = B.load_prompts(prompts, cats or None)
+    target, draft, drafters, label, pair_theta, pair_k = resolve_bench_models(pair, model, model_draft, drafter)
+    if quick:
+        prompt_list = B.quick_subset(prompt_list, 1)
+        n_predict = min(n_predict, 16)
+        if thetas == "0.85,0.9,0.95":  # not chosen by the user: the pair's θ
+            theta_list = (pair_theta,)
+        theta_list = theta_list[:1]
+    settings = B.BenchSettings(
+        target=target, draft=draft, drafters=drafters, thetas=theta_list,
+        draft_max=draft_max if draft_max is not None else pair_k, max_tokens=n_predict,
+        temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_ctx=ctx_size,
+        n_gpu_layers=opt.gpu_layers(ngl, "-ngl"), n_gpu_layers_draft=opt.gpu_layers(ngld, "-ngld"), n_threads=threads,
+        peers=peers, llama_cpp_bin=llama_cpp_bin, label=label,
+    )
+    settings.validate()
+    if temp > 0 and seed < 0:
+        raise MarsError("a sampling benchmark needs a fixed seed (-s N with N >= 0)")
+    if llama_cpp_bin is not None:
+        B.find_llama_cpp_binaries(llama_cpp_bin)  # fail before any model is loaded
+    for path in (json_path, plot_path):
+        if path is not None and not path.parent.is_dir():
+            raise MarsError(f"cannot write {path}: no such directory {path.parent}")
+
+    err = Console(stderr=True)
+    n_runs = len(B.plan_runs(settings))
+    err.print(
+        f"mars bench: {label}, drafters {', '.join(drafters)}, {len(prompt_list)} prompts × {n_runs} configurations, "
+        f"{n_predict} tokens, {'greedy' if temp == 0 else f'T={temp:g} seed {seed}'}",
+        highlight=False, soft_wrap=True,
+    )
+    bar = None
+    if sys.stderr is not None and sys.stderr.isatty():
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                       TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
+        task = bar.add_task("benchmarking", total=n_runs * len(prompt_list))
+
+        def progress(done, total, what):
+            bar.update(task, completed=done, description=f"{what:<28.28}")
+
+        bar.start()
+    else:  # a log, not a terminal: a line every ~10 %
+        step = max(1, (n_runs * len(prompt_list)) // 10)
+
+        def progress(done, total, what):
+            if done % step == 0 or done == total:
+                err.print(f"  {done}/{total} generations", highlight=False, soft_wrap=True)
+
+    try:
+        result = B.run_bench(prompt_list, settings, progress)
+    finally:
+        if bar is not None:
+            bar.stop()
+    out = Console(width=None if sys.stdout.isatty() else 160)
+    title = f"mars bench — {label}: {len(prompt_list)} prompts, {n_predict} tokens ({result.wall_s:.0f} s)"
+    for table in B.render_tables(result, title):
+        out.print(table)
+    for note in result.notes:
+        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+    if json_path is not None:
+        B.write_json(result, json_path)
+        err.print(f"wrote {json_path}", highlight=False, soft_wrap=True)
+    if plot_path is not None:
+        B.write_plot(result, plot_path)
+        err.print(f"wrote {plot_path}", highlight=False, soft_wrap=True)

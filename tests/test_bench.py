@@ -1,0 +1,454 @@
+"""`mars bench`: metrics on known strings, prompt loading, aggregation, the run on
+tiny models, the JSON contract, llama.cpp peers through a fake binary, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mars_local import bench as B
+from mars_local.cli import app
+from mars_local.errors import MarsError
+
+runner = CliRunner()
+
+ROW_KEYS = {
+    "category", "method", "theta", "k", "tokens_per_second", "speedup_vs_plain", "acceptance_rate",
+    "mean_accepted_length", "relaxed_share", "token_agreement", "quality_recovery", "nll_ratio",
+}
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+# ------------------------------------------------------------------ metrics
+def test_extract_answer_takes_the_number_after_the_last_answer():
+    assert B.extract_answer("Answer: 3 ... no wait. Answer: 15") == 15
+    assert B.extract_answer("so the total is **Answer:** $1,200.") == 1200
+    assert B.extract_answer("answer: -4.5 apples") == -4.5
+    assert B.extract_answer("The answer is 15") is None
+    assert B.extract_answer("Answer: none") is None
+
+
+def test_score_exact_and_contains():
+    assert B.score_exact("5 + 10 = 15.\nAnswer: 15", "15") == 1.0
+    assert B.score_exact("Answer: 15.0", "15") == 1.0
+    assert B.score_exact("Answer: 14", "15") == 0.0
+    assert B.score_exact("15", "15") == 0.0  # no "Answer:"
+    assert B.score_contains("It was built by CLARA VOSS in 1874.", "Clara Voss") == 1.0
+    assert B.score_contains("It was built by Clara.", "Clara Voss") == 0.0
+
+
+def test_rouge_l_on_known_strings():
+    assert B.score_rouge_l("the cat sat on the mat", "the cat sat on the mat") == pytest.approx(1.0)
+    assert B.score_rouge_l("dogs bark loudly", "the cat sat on the mat") == 0.0
+    # LCS "the cat on the mat" = 5 of 6 tokens on both sides: P = R = F = 5/6
+    assert B.score_rouge_l("the cat is on the mat", "the cat sat on the mat") == pytest.approx(5 / 6)
+
+
+def test_chrf_on_known_strings():
+    ref = "La bibliothèque ouvre à neuf heures du matin."
+    assert B.score_chrf(ref, ref) == pytest.approx(1.0)
+    close = B.score_chrf("La bibliothèque ouvre à neuf heures.", ref)
+    far = B.score_chrf("Der Hund schläft.", ref)
+    assert 0.0 <= far < close < 1.0
+    import sacrebleu
+
+    assert close == pytest.approx(sacrebleu.sentence_chrf("La bibliothèque ouvre à neuf heures.", [ref]).score / 100)
+
+
+def test_task_score_dispatch():
+    assert B.task_score(None, "anything", "x") is None
+    assert B.task_score("exact", "Answer: 2", None) is None
+    assert B.task_score("exact", "Answer: 2", "2") == 1.0
+    assert B.task_score("exact_contains", "PARIS", "Paris") == 1.0
+    with pytest.raises(MarsError):
+        B.task_score("bleu", "a", "b")
+
+
+def test_common_prefix_len():
+    assert B.common_prefix_len([1, 2, 3], [1, 2, 3]) == 3
+    assert B.common_prefix_len([1, 2, 3], [1, 5, 3]) == 1
+    assert B.common_prefix_len([1, 2], [1, 2, 3, 4]) == 2
+    assert B.common_prefix_len([], [1]) == 0
+
+
+# ------------------------------------------------------------------ prompts
+def test_builtin_prompt_set_loads():
+    ps = B.load_prompts()
+    cats = [p.category for p in ps]
+    assert len(ps) == 48 and set(cats) == {"chat", "code", "math", "summarization", "translation", "rag"}
+    assert all(cats.count(c) == 8 for c in set(cats))
+    metric = {p.category: p.metric for p in ps}
+    assert metric == {"chat": None, "code": None, "math": "exact", "summarization": "rougeL",
+                      "translation": "chrf", "rag": "exact_contains"}
+    assert all(p.messages and p.messages[-1]["role"] == "user" for p in ps)
+    assert all(p.reference for p in ps if p.metric)
+
+
+def test_category_filter_and_quick_subset():
+    ps = B.load_prompts(categories=["rag", "math"])
+    assert [p.category for p in ps] == ["rag"] * 8 + ["math"] * 8
+    q = B.quick_subset(B.load_prompts(), 1)
+    assert len(q) == 6 and len({p.category for p in q}) == 6
+    with pytest.raises(MarsError, match="unknown category 'poetry'"):
+        B.load_prompts(categories=["poetry"])
+
+
+def test_user_prompt_file(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text(
+        '{"id": "a", "prompt": "Hello there"}\n\n'
+        '{"id": "b", "category": "qa", "messages": [{"role": "user", "content": "Hi?"}], "reference": 42, "metric": "exact"}\n'
+        '{"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Shorter."]}\n'
+    )
+    a, b, c = B.load_prompts([f])
+    assert (a.id, a.category, a.text, a.messages, a.scored) == ("a", "mine", "Hello there", None, False)
+    assert (b.category, b.reference, b.metric, b.scored) == ("qa", "42", "exact", True)
+    assert (c.id, c.messages) == ("81", ({"role": "user", "content": "Write a poem."},))
+
+
+@pytest.mark.parametrize(
+    "line, needle",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "JSON object"),
+        ('{"prompt": "no id"}', "missing 'id'"),
+        ('{"id": "x"}', "exactly one of"),
+        ('{"id": "x", "prompt": "p", "messages": [{"role": "user", "content": "c"}]}', "exactly one of"),
+        ('{"id": "x", "messages": [{"role": "user"}]}', "'messages'"),
+        ('{"id": "x", "prompt": "  "}', "non-empty"),
+        ('{"id": "x", "prompt": "p", "metric": "bleu"}', "unknown metric"),
+        ('{"id": "x", "prompt": "p", "reference": ["a"]}', "reference"),
+        ('{"id": "x", "prompt": "p"}\n{"id": "x", "prompt": "q"}', "duplicate id"),
+    ],
+)
+def test_malformed_prompt_lines(tmp_path, line, needle):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(line + "\n")
+    with pytest.raises(MarsError, match=needle) as e:
+        B.load_prompts([f])
+    assert str(f) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unreadable_prompt_file(tmp_path):
+    with pytest.raises(MarsError, match="cannot read prompts file"):
+        B.load_prompts([tmp_path / "missing.jsonl"])
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(MarsError, match="no prompts"):
+        B.load_prompts([tmp_path / "empty.jsonl"])
+
+
+# -------------------------------------------------------------- aggregation
+def _s(tokens, t, text="", score=None, nll=None, **kw):
+    return B.Sample(text=text, tokens=tokens, n_generated=len(tokens), time_decode_s=t, score=score, nll_sum=nll, **kw)
+
+
+def test_summarize_on_known_samples():
+    prompts = [
+        B.BenchPrompt("m1", "math", text="q", reference="1", metric="exact"),
+        B.BenchPrompt("m2", "math", text="q", reference="2", metric="exact"),
+        B.BenchPrompt("c1", "chat", text="q"),
+    ]
+    plain = B.RunConfig("plain", "none", None, 0)
+    mars = B.RunConfig("mars", "ngram", 0.9, 4)
+    stats = dict(time_target_s=0.1, time_draft_s=0.01, time_verify_s=0.01)
+    samples = {
+        plain: [_s([1, 2, 3, 4], 1.0, score=1.0, nll=4.0, n_rounds=4, n_drafted=0, n_accepted=0, n_relaxed=0, **stats),
+                _s([5, 6, 7, 8], 1.0, score=1.0, nll=4.0, n_rounds=4, n_drafted=0, n_accepted=0, n_relaxed=0, **stats),
+                _s([9, 9], 1.0, nll=2.0, n_rounds=2, n_drafted=0, n_accepted=0, n_relaxed=0, **stats)],
+        mars: [_s([1, 2, 3, 4], 0.5, score=1.0, nll=4.0, n_rounds=2, n_drafted=4, n_accepted=2, n_relaxed=1, **stats),
+               _s([5, 0, 7, 8], 0.5, score=0.0, nll=8.0, n_rounds=2, n_drafted=4, n_accepted=2, n_relaxed=0, **stats),
+               _s([9, 9], 2.0, nll=2.0, n_rounds=2, n_drafted=2, n_accepted=0, n_relaxed=0, **stats)],
+    }
+    rows = {(r["method"], r["category"]): r for r in B.summarize(prompts, [plain, mars], samples)}
+    assert len(rows) == 2 * 3
+    p, m = rows["plain", "all"], rows["mars", "math"]
+    assert p["speedup_vs_plain"] == 1.0 and p["acceptance_rate"] is None and p["relaxed_share"] is None
+    assert p["mean_accepted_length"] == 1.0 and p["token_agreement"] == 1.0 and p["nll_ratio"] == 1.0
+    assert m["tokens_per_second"] == pytest.approx(8.0) and m["speedup_vs_plain"] == pytest.approx(2.0)
+    assert m["acceptance_rate"] == 0.5 and m["mean_accepted_length"] == 2.0 and m["relaxed_share"] == 0.25
+    assert m["token_agreement"] == pytest.approx(5 / 8)  # 4 + 1 equal positions before divergence, of 8
+    assert m["quality_recovery"] == pytest.approx(0.5)
+    assert m["nll_ratio"] == pytest.approx((12 / 8) / (8 / 8))
+    c = rows["mars", "chat"]
+    assert c["quality_recovery"] is None and c["speedup_vs_plain"] == pytest.approx(0.5)
+    a = rows["mars", "all"]
+    assert a["tokens_per_second"] == pytest.approx(10 / 3.0) and a["speedup_vs_plain"] == pytest.approx((10 / 3) / (10 / 3))
+    assert a["quality_recovery"] == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------ llama.cpp stats
+SPEC_OUT = """
+encoded   25 tokens in    0.031 seconds, speed:  806.452 t/s
+decoded   64 tokens in    0.450 seconds, speed:  142.222 t/s
+
+n_draft   = 8
+n_predict = 64
+n_drafted = 40
+n_accept  = 30
+accept    = 75.000%
+
+target:
+llama_perf_context_print: prompt eval time =      20.00 ms /    25 tokens (    0.80 ms per token,  1250.00 tokens per second)
+llama_perf_context_print:        eval time =     400.00 ms /    20 runs   (   20.00 ms per token,    50.00 tokens per second)
+"""
+
+COMPLETION_OUT = """
+llama_perf_sampler_print:    sampling time =       5.00 ms /    89 runs   (    0.06 ms per token, 17800.00 tokens per second)
+llama_perf_context_print:        load time =     100.00 ms
+llama_perf_context_print: prompt eval time =      30.00 ms /    25 tokens (    1.20 ms per token,   833.33 tokens per second)
+llama_perf_context_print:        eval time =     630.00 ms /    63 runs   (   10.00 ms per token,   100.00 tokens per second)
+"""
+
+
+def test_parse_llama_cpp_stats():
+    s = B.parse_llama_cpp_stats(SPEC_OUT)
+    assert s == {"n_generated": 64, "time_decode_s": 0.45, "n_drafted": 40, "n_accepted": 30}
+    c = B.parse_llama_cpp_stats(COMPLETION_OUT)
+    assert c == {"n_generated": 63, "time_decode_s": 0.63}
+    old = B.parse_llama_cpp_stats("decoded 10 tokens in 0.1 seconds, speed: 100 t/s\nn_drafted = 8\naccept = 50.000%")
+    assert old["n_accepted"] == 4
+    assert B.parse_llama_cpp_stats("nothing useful") == {}
+
+
+# -------------------------------------------------------- runs on tiny models
+@pytest.fixture(scope="module")
+def tiny_prompts(tmp_path_factory):
+    f = tmp_path_factory.mktemp("prompts") / "tiny.jsonl"
+    lines = [
+        {"id": "r1", "category": "raw", "prompt": "the a the a the a", "reference": "the", "metric": "exact_contains"},
+        {"id": "r2", "category": "raw", "prompt": "hello world hello world"},
+        {"id": "c1", "category": "chat", "messages": [{"role": "user", "content": "hello the world"}]},
+    ]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return B.load_prompts([f])
+
+
+def test_target_scorer_matches_a_full_forward(tiny_target):
+    from mars_local.runtime import Context, Model
+
+    model = Model(tiny_target)
+    try:
+        prompt, gen = [1, 300, 301, 302], [303, 304, 300, 305, 306]
+        scorer = B.TargetScorer(model, n_ctx=256, n_batch=2)  # chunked rows
+        got = scorer.nll(prompt, gen)
+        again = scorer.nll(prompt, gen)  # prompt cached, result unchanged
+        scorer.close()
+        ctx = Context(model, n_ctx=256)
+        z = np.asarray(ctx.eval(prompt + gen[:-1], n_out=len(gen)), dtype=np.float64)
+        ctx.close()
+        logp = z - z.max(1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+        want = -logp[np.arange(len(gen)), gen]
+        assert np.allclose(got, want, atol=1e-4) and np.allclose(got, again, atol=1e-5)
+        assert np.all(got > 0)
+    finally:
+        model.close()
+
+
+def test_run_bench_on_tiny_models(tiny_target, tiny_draft, tiny_prompts):
+    s = B.BenchSettings(target=tiny_target, draft=tiny_draft, drafters=("ngram", "model"), thetas=(0.9, 0.95),
+                        draft_max=3, max_tokens=12, n_ctx=512, peers=True)
+    res = B.run_bench(tiny_prompts, s)
+    runs = B.plan_runs(s)
+    # plain + per drafter (2 strict + 2 θ × 2 modes) + the llama-cpp-python peer
+    assert len(runs) == 1 + 2 * (2 + 4) + 1 and res.runs == runs
+    assert len(res.rows) == len(runs) * 3  # categories raw, chat and all
+    plain = res.samples[runs[0]]
+    for r in runs:
+        if r.method == "strict":  # greedy strict is lossless
+            assert [x.tokens for x in res.samples[r]] == [x.tokens for x in plain]
+    by = {(B.RunConfig(r["method"], r["drafter"], r["theta"], r["k"]), r["category"]): r for r in res.rows}
+    for r in runs:
+        row = by[r, "all"]
+        assert set(ROW_KEYS) <= set(row)
+        if r.method in ("plain", "strict"):
+            assert row["token_agreement"] == 1.0 and row["nll_ratio"] == pytest.approx(1.0)
+        assert row["tokens_per_second"] > 0
+    assert by[runs[0], "all"]["speedup_vs_plain"] == 1.0
+    assert by[runs[0], "raw"]["quality_recovery"] in (1.0, None)
+    peer = by[B.RunConfig(B.PEER_LCP, "ngram", None, 3), "all"]
+    assert peer["token_agreement"] is not None and peer["nll_ratio"] is not None
+    drafted = [by[r, "all"]["acceptance_rate"] for r in runs if r.method == "strict" and r.k == 3]
+    assert all(a is not None for a in drafted)
+
+
+def test_sampling_run_leaves_out_adaptive_mars(tiny_target):
+    s = B.BenchSettings(target=tiny_target, thetas=(0.9,), draft_max=2, temperature=0.8, seed=3, peers=False)
+    ks = [(r.method, r.k) for r in B.plan_runs(s)]
+    assert ("mars", "adaptive") not in ks and ("strict", "adaptive") in ks and ("mars", 2) in ks
+
+
+def test_settings_validation(tiny_target):
+    for bad, needle in [
+        (dict(thetas=(1.5,)), "theta"), (dict(thetas=(0.0,)), "theta"), (dict(thetas=()), "θ"),
+        (dict(drafters=("model",)), "draft model"), (dict(drafters=("magic",)), "ngram or model"),
+        (dict(draft_max=0), "draft-max"), (dict(max_tokens=0), "tokens"), (dict(temperature=-1.0), "temperature"),
+    ]:
+        with pytest.raises(MarsError, match=needle):
+            B.BenchSettings(target=tiny_target, **bad).validate()
+
+
+# --------------------------------------------------------------------- CLI
+def test_cli_quick_json_contract(tiny_target, tiny_draft, tmp_path):
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    r = invoke("bench", "--quick", "-m", tiny_target, "-md", tiny_draft, "-c", 1024, "--json", out, "--plot", png)
+    assert r.exit_code == 0, r.output
+    assert "speedup" in r.stdout and "mars" in r.stdout
+    data = json.loads(out.read_text())
+    rows = data["runs"]
+    cats = {"chat", "code", "math", "summarization", "translation", "rag"}
+    configs = {}
+    for row in rows:
+        assert ROW_KEYS <= set(row), set(ROW_KEYS) - set(row)
+        assert row["method"] in ("plain", "strict", "mars", B.PEER_LCP)
+        assert row["k"] == "adaptive" or isinstance(row["k"], int)
+        assert row["category"] in cats | {"all"}
+        configs.setdefault((row["method"], row["drafter"], row["theta"], row["k"]), []).append(row["category"])
+    # plain, then per drafter (ngram, model): strict ×2 + one θ × 2 k modes, then the peer
+    assert len(configs) == 1 + 2 * 4 + 1
+    for cfg, seen in configs.items():
+        assert seen.count("all") == 1 and set(seen) == cats | {"all"}, cfg
+    plain = [row for row in rows if row["method"] == "plain"]
+    assert all(row["speedup_vs_plain"] == 1.0 for row in plain)
+    assert {row["theta"] for row in rows if row["method"] == "mars"} == {0.9}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data["meta"]["max_tokens"] == 16 and data["meta"]["n_prompts"] == 6
+
+
+FAKE = r'''#!{python}
+import sys
+args = sys.argv[1:]
+if "--help" in args:
+    print("-m, --model FNAME\n--spec-type TYPE\n--spec-draft-n-max N\n--no-escape\n"
+          "-no-cnv, --no-conversation\n--no-display-prompt\n--spec-ngram-simple-size-n N")
+    sys.exit(0)
+with open({log!r}, "a") as f:
+    f.write(" ".join(args) + "\n")
+if {fail}:
+    print("error: failed to load model", file=sys.stderr)
+    sys.exit(1)
+n = int(args[args.index("-n") + 1])
+print("generated text")
+if {spec}:
+    print("encoded   20 tokens in    0.010 seconds, speed: 2000.000 t/s", file=sys.stderr)
+    print("decoded %4d tokens in    0.500 seconds, speed: %8.3f t/s" % (n, n / 0.5), file=sys.stderr)
+    print("n_draft   = 4\nn_predict = %d\nn_drafted = 20\nn_accept  = 15\naccept    = 75.000%%" % n, file=sys.stderr)
+else:
+    print("llama_perf_context_print: prompt eval time =  10.00 ms /  20 tokens (0.50 ms per token, 2000.00 tokens per second)", file=sys.stderr)
+    print("llama_perf_context_print:        eval time = 1000.00 ms / %5d runs   (66.67 ms per token, 15.00 tokens per second)" % (n - 1), file=sys.stderr)
+'''
+
+
+def _fake_bin(d, fail=False):
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "calls.log"
+    for name, spec in (("llama-speculative-simple", True), ("llama-completion", False)):
+        p = d / name
+        p.write_text(FAKE.format(python=sys.executable, log=str(log), spec=spec, fail=fail))
+        p.chmod(0o755)
+    return log
+
+
+def test_llama_cpp_peers_with_a_fake_binary(tiny_target, tmp_path):
+    log = _fake_bin(tmp_path / "bin")
+    out = tmp_path / "b.json"
+    r = invoke("bench", "--quick", "-m", tiny_target, "--categories", "math,rag", "--no-peers",
+               "--llama-cpp-bin", tmp_path / "bin", "--json", out)
+    assert r.exit_code == 0, r.output
+    rows = {(row["method"], row["category"]): row for row in json.loads(out.read_text())["runs"]}
+    spec = rows[B.PEER_SPEC, "all"]
+    assert spec["tokens_per_second"] == pytest.approx(32.0)  # 16 tokens in 0.5 s per prompt
+    assert spec["acceptance_rate"] == pytest.approx(0.75) and spec["drafter"] == "ngram"
+    assert spec["speedup_vs_plain"] == pytest.approx(32.0 / rows["plain", "all"]["tokens_per_second"])
+    comp = rows[B.PEER_COMPLETION, "all"]
+    assert comp["tokens_per_second"] == pytest.approx(15.0) and comp["acceptance_rate"] is None
+    assert comp["quality_recovery"] is None and comp["token_agreement"] is None
+    calls = log.read_text().splitlines()
+    assert len(calls) == 4  # 2 prompts × 2 binaries
+    spec_call = next(c for c in calls if "--spec-type" in c).split()
+    assert spec_call[spec_call.index("-m") + 1] == str(tiny_target)
+    assert spec_call[spec_call.index("-n") + 1] == "16" and spec_call[spec_call.index("--temp") + 1] == "0"
+    assert spec_call[spec_call.index("--spec-type") + 1] == "ngram-simple"
+    assert spec_call[spec_call.index("--spec-draft-n-max") + 1] == "8"
+    comp_call = next(c for c in calls if "--spec-type" not in c)
+    assert "-no-cnv" in comp_call and "-f" in comp_call
+
+
+def test_llama_cpp_binary_failure_is_one_line(tiny_target, tmp_path):
+    _fake_bin(tmp_path / "bin", fail=True)
+    r = invoke("bench", "--quick", "-m", tiny_target, "--categories", "rag", "--no-peers",
+               "--llama-cpp-bin", tmp_path / "bin")
+    assert r.exit_code == 2
+    err = r.stderr.strip().splitlines()
+    assert err[-1].startswith("error:") and "failed to load model" in err[-1]
+
+
+@pytest.fixture(scope="module")
+def bad_bench(tiny_target, tmp_path_factory):
+    d = tmp_path_factory.mktemp("badbench")
+    (d / "broken.jsonl").write_text('{"id": "a", "prompt": "ok"}\n{"id": "b", "prompt": \n')
+    (d / "latin1.jsonl").write_bytes(b'{"id": "a", "prompt": "caf\xe9"}\n')
+    (d / "bin").mkdir()
+    (d / "half").mkdir()
+    (d / "half" / "llama-completion").write_text("#!/bin/sh\n")
+    (d / "half" / "llama-completion").chmod(0o755)
+    t = str(tiny_target)
+    return {
+        "missing prompts file": (["--prompts", d / "nope.jsonl"], "cannot read prompts file"),
+        "undecodable prompts file": (["--prompts", d / "latin1.jsonl"], "cannot read prompts file"),
+        "malformed JSONL": (["--prompts", d / "broken.jsonl"], "broken.jsonl:2"),
+        "unknown category": (["--categories", "poetry"], "unknown category"),
+        "theta too big": (["--thetas", "0.9,1.5"], "theta"),
+        "theta zero": (["--thetas", "0"], "theta"),
+        "theta not a number": (["--thetas", "abc"], "not a number"),
+        "draft model missing": (["--drafter", "model"], "draft model"),
+        "bad drafter": (["--drafter", "none"], "ngram or model"),
+        "pair and model": (["--pair", "smollm2-135m"], "exclusive"),
+        "unknown pair": (["--pair", "no-such-pair", "-m", None], "unknown model"),
+        "no binaries": (["--llama-cpp-bin", d / "bin"], "llama-speculative-simple"),
+        "one binary missing": (["--llama-cpp-bin", d / "half"], "llama-speculative-simple not found"),
+        "not a folder": (["--llama-cpp-bin", d / "nope"], "not a directory"),
+        "zero tokens": (["-n", "0"], "tokens"),
+        "zero k": (["--draft-max", "0"], "draft-max"),
+        "bad json dir": (["--json", d / "no" / "b.json"], "no such directory"),
+    }, t
+
+
+BAD = [
+    "missing prompts file", "undecodable prompts file", "malformed JSONL", "unknown category", "theta too big",
+    "theta zero", "theta not a number", "draft model missing", "bad drafter", "pair and model", "unknown pair",
+    "no binaries", "one binary missing", "not a folder", "zero tokens", "zero k", "bad json dir",
+]
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_bench_input_is_one_line_and_exit_2(bad_bench, case):
+    cases, target = bad_bench
+    extra, needle = cases[case]
+    args = ["bench", "--quick", "--no-peers"]
+    if None in extra:  # no -m for this case
+        extra = [a for a in extra if a is not None and a != "-m"]
+    else:
+        args += ["-m", target]
+    r = invoke(*args, *extra)
+    assert r.exit_code == 2, (r.exit_code, r.output)
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), r.stderr
+    assert needle.lower() in err[0].lower(), err[0]
+    assert "Traceback" not in r.output and r.stdout == ""
+
+
+def test_thetas_parse():
+    from mars_local.cli_bench import parse_thetas
+
+    assert parse_thetas("0.85, 0.9,0.95,0.9") == (0.85, 0.9, 0.95)
+    assert parse_thetas("1") == (1.0,)
+    assert math.isclose(parse_thetas(".5")[0], 0.5)
