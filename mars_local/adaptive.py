@@ -1,158 +1,225 @@
 """Adaptive draft length: pick k per round to maximise expected tokens per second.
 
-The model (deliberately small):
+The model (deliberately small, three parts):
 
-* acceptance: draft tokens are accepted independently with probability a, so a
-  window of k drafts yields on average 1 + a + a^2 + ... + a^k tokens (the
-  accepted prefix plus the target's correction/bonus token).  a is estimated
-  from decayed counts of accepted and rejected positions (a geometric model's
-  maximum-likelihood estimate), with a weak prior.
-* target cost: the wall time of a verify forward of w = k+1 rows, T(w) = t0 +
-  t1*(w-1), fitted by least squares to decayed per-size averages; before two
-  sizes have been seen, the slope comes from a prior (a CPU forward costs
-  nearly k times one token, a GPU forward barely more than one).
-* draft cost: c per drafted token (decayed average of draft time per token,
-  the draft's catch-up of pending tokens included).
+* acceptance — a chain: draft token i is accepted with probability a(key_i)
+  given that tokens 0..i-1 were, so a window of k drafts yields on average
+  1 + a(key_0) + a(key_0)a(key_1) + ... tokens (the accepted prefix plus the
+  target's correction/bonus token).  The key is a feature the drafter gives
+  for each draft position: for the n-gram drafter the length of the context
+  match behind that token (the n-gram's n plus the draft tokens before it:
+  a 3-token match is accepted far more often than a 1-token one), for a
+  draft model none.  a(key) comes from decayed counts of accepted and
+  rejected positions with that key (the geometric model's maximum-likelihood
+  estimate), shrunk towards the estimate of the next shorter match (for a
+  match length) or the pooled estimate of all keys.
+* target cost — the wall time of a verify forward of w = k+1 rows: the
+  decayed mean of the forwards of that size when there are some; otherwise
+  a straight line through the measured sizes >= 2 (one row is its own case:
+  on a CPU the second row costs far more than each row after it), and before
+  that a prior (on a CPU a row costs ~half a token more, a GPU barely more
+  than one token).
+* draft cost — c per drafted token (decayed mean of the draft time per
+  drafted token, a draft model's catch-up of pending tokens included).  An
+  n-gram lookup is done every round anyway, so it costs nothing extra.
 
-Each round the controller returns argmax_k E[tokens] / (T(k+1) + c*k) over
-0..k_max.  k = 0 is plain decoding.  When plain decoding wins, a cheap drafter
-(n-gram: no forward pass) keeps being observed for free ("shadow" drafts whose
-first token is compared with the target's token: for a deterministic draft the
-chance they agree is exactly the acceptance probability); an expensive drafter
-is re-tried with a short window at exponentially spaced rounds, so probing
-costs almost nothing when speculation does not pay.
+Each round the controller returns argmax_k E[tokens | k] / (T(k+1) + c*k)
+over 0..k_max; k = 0 is plain decoding.  A cheap drafter (n-gram) proposes
+before the choice, so the keys of the actual draft are known, and its first
+token is compared with the target's token for free when k = 0 ("shadow"
+observation: for a deterministic draft, agreement is exactly acceptance).
+When plain decoding wins, the most promising window is still tried now and
+then, to measure how a draft model is accepted and what a window size not
+yet seen costs (a cheap drafter is probed for the latter only); probes are
+paid from a budget: what a probe is expected to lose against plain decoding
+is taken from ``probe_start`` plain forwards' worth at the start plus
+``probe_share`` (1 %) of the plain decoding time since, so however useless
+the drafts are, probing cannot cost more than that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Hashable, Sequence
 
 __all__ = ["AdaptiveK", "expected_tokens"]
 
+POOL = "__pooled__"
 
-def expected_tokens(a: float, k: int) -> float:
-    """1 + a + ... + a^k: mean tokens per round with k drafts at acceptance a."""
-    if k <= 0:
-        return 1.0
-    if a >= 1.0:
-        return float(k + 1)
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+def expected_tokens(a: float | Sequence[float], k: int | None = None) -> float:
+    """Mean tokens per round: 1 + a + a^2 + ... + a^k for one acceptance a,
+    or 1 + a_0 + a_0 a_1 + ... for per-position acceptances (k = their number)."""
+    if isinstance(a, (int, float)):
+        if k is None or k <= 0:
+            return 1.0
+        if a >= 1.0:
+            return float(k + 1)
+        return (1.0 - a ** (k + 1)) / (1.0 - a)
+    total, run = 1.0, 1.0
+    for ai in list(a)[: len(a) if k is None else k]:
+        run *= ai
+        total += run
+    return total
 
 
 @dataclass
 class AdaptiveK:
     k_max: int
     gpu: bool = False
-    decay: float = 0.97
-    prior_accept: float = 0.5
+    decay: float = 0.98  # per observation of a key / of a window size
+    prior_accept: float = 0.3
     prior_weight: float = 2.0
-    probe_k: int = 2
-    _acc: float = 0.0
-    _rej: float = 0.0
+    probe_share: float = 0.01
+    probe_start: float = 2.0  # initial budget and cap, in plain forwards
+    _counts: dict = field(default_factory=dict)  # key -> [decayed accepted, decayed rejected]
     _time: dict = field(default_factory=dict)  # w -> [decayed sum of seconds, decayed count]
+    _warm: set = field(default_factory=set)  # window sizes seen at least once (first one not timed)
     _draft_time: float = 0.0
     _draft_tokens: float = 0.0
-    _since_probe: int = 0
-    _probe_every: int = 8
+    _budget: float = 0.0  # seconds the next probe may cost beyond plain decoding
+    _primed: bool = False
+    n_probes: int = 0
 
     # ------------------------------------------------------------ estimates
-    @property
-    def acceptance(self) -> float:
+    def acceptance(self, key: Hashable | None = None) -> float:
+        """Estimated probability that a draft token with ``key`` is accepted."""
+        acc, rej = self._counts.get(POOL, (0.0, 0.0))
         w = self.prior_weight
-        return (self._acc + w * self.prior_accept) / (self._acc + self._rej + w)
+        pooled = (acc + w * self.prior_accept) / (acc + rej + w)
+        if key is None:
+            return pooled
+        # An integer key (an n-gram match length) shrinks towards the next
+        # shorter match: a longer match is at least as good a bet.
+        prior = self.acceptance(key - 1) if isinstance(key, int) and key > 1 else pooled
+        acc, rej = self._counts.get(key, (0.0, 0.0))
+        return (acc + w * prior) / (acc + rej + w)
+
+    def target_costs(self, w_max: int) -> list[float] | None:
+        """Predicted seconds of a verify forward of w = 1..w_max rows (None: no data yet)."""
+        seen = {size: s / n for size, (s, n) in self._time.items() if n > 0.05}
+        t1 = seen.get(1)
+        if t1 is None:
+            return None
+        wide = sorted((size, t) for size, t in seen.items() if size >= 2)
+        slope_prior = t1 * (0.03 if self.gpu else 0.5)
+        if not wide:  # prior: the 2nd row costs 3/4 of a token on a CPU
+            line = lambda w: t1 * (1.05 if self.gpu else 1.75) + slope_prior * (w - 2)  # noqa: E731
+        elif len(wide) == 1:
+            size, t = wide[0]
+            line = lambda w: t + slope_prior * (w - size)  # noqa: E731
+        else:
+            n = len(wide)
+            mx = sum(p[0] for p in wide) / n
+            my = sum(p[1] for p in wide) / n
+            sxx = sum((p[0] - mx) ** 2 for p in wide)
+            slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in wide) / sxx)
+            line = lambda w: my + slope * (w - mx)  # noqa: E731
+        return [t1] + [seen[w] if w in seen else max(line(w), t1) for w in range(2, w_max + 1)]
 
     def target_cost(self, w: int) -> float | None:
         """Predicted seconds for a verify forward of w rows (None: no data yet)."""
-        pts = [(size, s / n) for size, (s, n) in self._time.items() if n > 0.05]
-        if not pts:
-            return None
-        if len(pts) == 1:
-            size, t = pts[0]
-            # prior: per extra row a CPU pays ~80 % of a token, a GPU ~3 %
-            slope = t * (0.03 if self.gpu else 0.8)
-            t0 = t - slope * (size - 1)
-            return max(t0 + slope * (w - 1), 1e-9)
-        n = len(pts)
-        mx = sum(p[0] for p in pts) / n
-        my = sum(p[1] for p in pts) / n
-        sxx = sum((p[0] - mx) ** 2 for p in pts)
-        slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx) if sxx else 0.0
-        t0 = my - slope * (mx - 1)
-        if t0 <= 0:  # degenerate fit: fall back to the smallest size's average
-            t0 = min(p[1] for p in pts)
-        return max(t0 + slope * (w - 1), 1e-9)
+        costs = self.target_costs(w)
+        return None if costs is None else costs[w - 1]
 
     @property
     def draft_cost(self) -> float:
         return self._draft_time / self._draft_tokens if self._draft_tokens > 0 else 0.0
 
-    def rate(self, k: int) -> float:
-        """Expected tokens per second with k drafts (0 when costs are unknown)."""
-        t = self.target_cost(k + 1)
-        if t is None:
-            return 0.0
-        return expected_tokens(self.acceptance, k) / (t + self.draft_cost * k)
+    def rates(self, k_max: int, keys: Sequence[Hashable] | None = None) -> list[float]:
+        """Expected tokens per second with k = 0..k_max drafts (zeros when costs are unknown).
+
+        ``keys`` (one per draft position, at least k_max of them) are the keys
+        of a draft already proposed by a cheap drafter; without them the draft
+        is a draft model's, still to be made, and every position has key None
+        (and costs ``draft_cost`` per token).
+        """
+        costs = self.target_costs(k_max + 1)
+        if costs is None:
+            return [0.0] * (k_max + 1)
+        c = 0.0 if keys is not None else self.draft_cost
+        memo: dict = {}
+        out, tokens, run = [], 1.0, 1.0
+        for k in range(k_max + 1):
+            if k:
+                key = keys[k - 1] if keys is not None else None
+                if key not in memo:
+                    memo[key] = self.acceptance(key)
+                run *= memo[key]
+                tokens += run
+            out.append(tokens / (costs[k] + c * k))
+        return out
+
+    def rate(self, k: int, keys: Sequence[Hashable] | None = None) -> float:
+        """Expected tokens per second with k drafts (see :meth:`rates`)."""
+        return self.rates(k, keys)[k]
 
     # -------------------------------------------------------------- choice
-    def choose(self, k_limit: int | None = None) -> int:
-        """Draft length for the next round."""
+    def choose(self, k_limit: int | None = None, keys: Sequence[Hashable] | None = None) -> int:
+        """Draft length for the next round.
+
+        ``keys``: the keys of a cheap drafter's proposal (its length caps k).
+        """
         k_max = self.k_max if k_limit is None else min(self.k_max, k_limit)
-        if k_max <= 0:
-            return 0
-        if 1 not in self._time:
-            return 0  # first measure a plain forward
-        best_k, best = 0, self.rate(0)
-        for k in range(1, k_max + 1):
-            r = self.rate(k)
-            if r > best * 1.0001:
-                best_k, best = k, r
-        if best_k > 0:
-            self._probe_every = 8
-            self._since_probe = 0
-            return best_k
-        # Plain decoding looks best.  Re-try a short window now and then (at
-        # exponentially growing intervals) so a better-than-assumed acceptance
-        # or a cheaper-than-assumed window is noticed.
-        self._since_probe += 1
-        if self._since_probe >= self._probe_every:
-            self._since_probe = 0
-            self._probe_every = min(self._probe_every * 2, 256)
-            return min(self.probe_k, k_max)
+        if keys is not None:
+            k_max = min(k_max, len(keys))
+        if k_max <= 0 or 1 not in self._time:
+            return 0  # nothing to draft, or first measure plain forwards
+        rates = self.rates(k_max, keys)
+        plain = rates[0]
+        best = max(rates[1:])
+        k = rates.index(best, 1)
+        if best > plain * 1.0001:
+            return k
+        # Plain decoding looks best.  Probe the most promising window when the
+        # budget covers what it is expected to lose against plain decoding.
+        if keys is not None and self._time.get(k + 1, (0.0, 0.0))[1] >= 2.0:
+            return 0  # a cheap drafter's acceptance is seen for free, and this window's cost is known
+        # its expected time minus what plain decoding needs for its tokens
+        tokens = best * self._round_cost(k, keys is not None)
+        loss = tokens / best - tokens / plain
+        if self._budget >= loss:
+            self._budget -= max(loss, 0.0)
+            self.n_probes += 1
+            return k
         return 0
 
+    def _round_cost(self, k: int, cheap: bool) -> float:
+        return self.target_costs(k + 1)[k] + (0.0 if cheap else self.draft_cost * k)
+
     # ------------------------------------------------------------ feedback
-    def _decay(self) -> None:
-        d = self.decay
-        self._acc *= d
-        self._rej *= d
-        for v in self._time.values():
-            v[0] *= d
-            v[1] *= d
-        self._draft_time *= d
-        self._draft_tokens *= d
+    def _count(self, key: Hashable, accepted: bool) -> None:
+        for kk in (key, POOL) if key != POOL else (POOL,):
+            slot = self._counts.setdefault(kk, [0.0, 0.0])
+            slot[0] *= self.decay
+            slot[1] *= self.decay
+            slot[0 if accepted else 1] += 1.0
 
-    def observe(self, k: int, n_accepted: int, t_target: float, t_draft: float) -> None:
-        """One verify round: k drafted, n_accepted kept, and what it cost."""
-        self._decay()
-        slot = self._time.setdefault(k + 1, [0.0, 0.0])
-        slot[0] += t_target
-        slot[1] += 1.0
-        if k > 0:
-            self._acc += n_accepted
-            self._rej += 1.0 if n_accepted < k else 0.0
-            self._draft_time += t_draft
-            self._draft_tokens += k
-
-    def observe_shadow(self, agreed: bool) -> None:
-        """A free draft token compared with the target's token (k = 0 rounds)."""
-        if agreed:
-            self._acc += 1.0
+    def observe(
+        self, k: int, n_accepted: int, t_target: float, t_draft: float, keys: Sequence[Hashable] | None = None
+    ) -> None:
+        """One verify round: k drafted (with these keys), n_accepted kept, and what it cost."""
+        w = k + 1
+        if w not in self._warm:  # llama.cpp builds a new graph for a new batch shape: slow once
+            self._warm.add(w)
         else:
-            self._rej += 1.0
+            slot = self._time.setdefault(w, [0.0, 0.0])
+            if slot[1] > 0.5:  # a stray slow forward (machine busy) counts at most 1.5x the mean
+                t_target = min(t_target, 1.5 * slot[0] / slot[1])
+            slot[0] = slot[0] * self.decay + t_target
+            slot[1] = slot[1] * self.decay + 1.0
+        if k > 0:
+            for i in range(min(n_accepted + 1, k)):  # positions after the first rejection are unseen
+                self._count(keys[i] if keys is not None else None, i < n_accepted)
+            if keys is None:
+                self._draft_time = self._draft_time * self.decay + t_draft
+                self._draft_tokens = self._draft_tokens * self.decay + k
+        else:
+            cap = self.probe_start * t_target
+            if not self._primed:  # a young controller may look around a little more
+                self._primed, self._budget = True, cap
+            self._budget = min(self._budget + self.probe_share * t_target, cap)
 
-    def new_generation(self) -> None:
-        """Keep the cost model, halve the weight of the old acceptance evidence."""
-        self._acc *= 0.5
-        self._rej *= 0.5
-        self._since_probe = 0
-        self._probe_every = 8
+    def observe_shadow(self, agreed: bool, key: Hashable | None = None) -> None:
+        """A free draft token compared with the target's token (k = 0 rounds)."""
+        self._count(key, agreed)

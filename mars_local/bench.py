@@ -387,6 +387,8 @@ class BenchSettings:
     thetas: tuple[float, ...] = DEFAULT_THETAS
     draft_max: int = 8
     adaptive_modes: tuple[bool, ...] = (False, True)
+    fixed_ks: tuple[int, ...] | None = None  # draft lengths of the fixed runs (default: draft_max)
+    repeats: int = 1  # generations per (configuration, prompt); the fastest one is kept
     max_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 40
@@ -419,11 +421,20 @@ class BenchSettings:
                 raise MarsError(f"theta must be in (0, 1], got {t}")
         if self.draft_max < 1:
             raise MarsError(f"--draft-max must be >= 1 for a benchmark of speculative decoding, got {self.draft_max}")
+        for k in self.ks():
+            if not 1 <= k <= self.draft_max:
+                raise MarsError(f"a fixed draft length must be in 1..--draft-max ({self.draft_max}), got {k}")
+        if self.repeats < 1:
+            raise MarsError(f"--repeat must be >= 1, got {self.repeats}")
         if self.max_tokens < 1:
             raise MarsError(f"the number of tokens to generate must be >= 1, got {self.max_tokens}")
         if self.n_threads is not None and self.n_threads < 1:
             raise MarsError(f"--threads must be >= 1, got {self.n_threads}")
         self.sampling()  # validates temperature, top-k/p, min-p
+
+    def ks(self) -> tuple[int, ...]:
+        """Draft lengths of the fixed-k runs."""
+        return tuple(dict.fromkeys(self.fixed_ks)) if self.fixed_ks is not None else (self.draft_max,)
 
     def sampling(self):
         from .sampling import SamplingParams
@@ -442,15 +453,17 @@ def plan_runs(s: BenchSettings) -> list[RunConfig]:
     output would otherwise depend on timing), so adaptive MARS is left out.
     """
     runs = [RunConfig("plain", "none", None, 0)]
-    modes = list(dict.fromkeys(s.adaptive_modes))
+    ks: list[int | str] = []
+    for adaptive in dict.fromkeys(s.adaptive_modes):
+        ks += ["adaptive"] if adaptive else list(s.ks())
     for d in s.drafters:
-        for adaptive in modes:
-            runs.append(RunConfig("strict", d, None, "adaptive" if adaptive else s.draft_max))
+        for k in ks:
+            runs.append(RunConfig("strict", d, None, k))
         for th in s.thetas:
-            for adaptive in modes:
-                if adaptive and s.temperature > 0:
+            for k in ks:
+                if k == "adaptive" and s.temperature > 0:
                     continue
-                runs.append(RunConfig("mars", d, float(th), "adaptive" if adaptive else s.draft_max))
+                runs.append(RunConfig("mars", d, float(th), k))
     if s.peers:
         runs.append(RunConfig(PEER_LCP, "ngram", None, s.draft_max))
     if s.llama_cpp_bin is not None:
@@ -719,6 +732,8 @@ class BenchResult:
                 "drafters": list(s.drafters),
                 "thetas": list(s.thetas),
                 "draft_max": s.draft_max,
+                "fixed_ks": list(s.ks()),
+                "repeats": s.repeats,
                 "max_tokens": s.max_tokens,
                 "temperature": s.temperature,
                 "seed": s.seed if s.temperature > 0 else None,
@@ -798,7 +813,7 @@ def run_bench(
                 return GenerateConfig(max_tokens=max_tokens, verify="strict", draft_max=0, adaptive=False, sampling=sampling)
             return GenerateConfig(
                 max_tokens=max_tokens, verify=r.method, theta=r.theta if r.theta is not None else 0.9,
-                draft_max=s.draft_max, adaptive=r.k == "adaptive", sampling=sampling,
+                draft_max=s.draft_max if r.k == "adaptive" else r.k, adaptive=r.k == "adaptive", sampling=sampling,
             )
 
         def engine_for(r: RunConfig) -> Engine:
@@ -827,14 +842,18 @@ def run_bench(
         # prompt is still in its KV cache.
         scorer = TargetScorer(context=first.ctx)
         samples: dict[RunConfig, list[Sample | None]] = {r: [None] * len(prompts) for r in runs}
-        total, done = len(runs) * len(prompts), 0
+        total, done = len(runs) * len(prompts) * s.repeats, 0
         for i, p in enumerate(prompts):
-            shift = i % len(runs)
-            for r in runs[shift:] + runs[:shift]:
-                samples[r][i] = one(r, i)
-                done += 1
-                if progress is not None:
-                    progress(done, total, r.label)
+            for rep in range(s.repeats):  # each repeat in another order; the fastest generation counts
+                shift = (i + rep * (len(runs) // s.repeats or 1)) % len(runs)
+                for r in runs[shift:] + runs[:shift]:
+                    smp = one(r, i)
+                    old = samples[r][i]
+                    if old is None or _per_token(smp) < _per_token(old):
+                        samples[r][i] = smp
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, r.label)
             nll_cache: dict[tuple, float] = {}
             for r in runs:
                 smp = samples[r][i]
@@ -865,6 +884,10 @@ def run_bench(
 
 
 # ================================================================= aggregation
+def _per_token(x: Sample) -> float:
+    return x.time_decode_s / x.n_generated if x.n_generated else float("inf")
+
+
 def _ratio(a, b):
     if a is None or b is None or b == 0:
         return None
@@ -945,6 +968,14 @@ def summarize(prompts: Sequence[BenchPrompt], runs: Sequence[RunConfig], samples
             row["speedup_vs_plain"] = _ratio(row["tokens_per_second"], base[c])
             row.update(agg)
             rows.append(row)
+    # Adaptive rows: tokens/s relative to the best fixed k in hindsight (plain = k 0 included).
+    for row in rows:
+        row["vs_best_fixed"] = None
+        if row["k"] == "adaptive":
+            fixed = [o["tokens_per_second"] for o in rows if o["category"] == row["category"] and (
+                o["method"] == "plain" or (o["method"] == row["method"] and o["drafter"] == row["drafter"]
+                                           and o["theta"] == row["theta"] and isinstance(o["k"], int)))]
+            row["vs_best_fixed"] = _ratio(row["tokens_per_second"], max(fixed))
     return rows
 
 
@@ -967,7 +998,7 @@ def render_tables(result_or_rows, title: str = ""):
     for col, just in [
         ("method", "left"), ("drafter", "left"), ("θ", "right"), ("k", "right"), ("tok/s", "right"),
         ("speedup", "right"), ("accept", "right"), ("τ", "right"), ("relaxed", "right"), ("agree", "right"),
-        ("quality", "right"), ("NLL ratio", "right"), ("target/draft/verify", "right"),
+        ("quality", "right"), ("NLL ratio", "right"), ("vs best k", "right"), ("target/draft/verify", "right"),
     ]:
         t.add_column(col, justify=just, no_wrap=True)
     for r in overall:
@@ -979,7 +1010,8 @@ def render_tables(result_or_rows, title: str = ""):
             r["method"], r["drafter"], _fmt(r["theta"], "g"), str(r["k"]), f"{r['tokens_per_second']:.1f}",
             _fmt(r["speedup_vs_plain"], ".2f") + ("×" if r["speedup_vs_plain"] is not None else ""),
             _fmt(r["acceptance_rate"], ".0%"), _fmt(r["mean_accepted_length"], ".2f"), _fmt(r["relaxed_share"], ".0%"),
-            _fmt(r["token_agreement"], ".0%"), _fmt(r["quality_recovery"], ".3f"), _fmt(r["nll_ratio"], ".3f"), split,
+            _fmt(r["token_agreement"], ".0%"), _fmt(r["quality_recovery"], ".3f"), _fmt(r["nll_ratio"], ".3f"),
+            _fmt(r.get("vs_best_fixed"), ".2f"), split,
         )
     cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "all"]
     per = Table(title="speedup × / quality recovery, per category", title_justify="left", header_style="bold")
@@ -1039,6 +1071,7 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> None:
     xs_all = thetas + [1.0]
     legend: dict[str, Line2D] = {}
     annotate = len(s.drafters) == 1  # with more lines the labels would collide
+    fixed_k = s.draft_max if s.draft_max in s.ks() else max(s.ks())  # the fixed line drawn
     peer_styles = [":", "-.", (0, (5, 2)), (0, (1, 1))]
     for ax, (key, title, ylabel) in zip(axes, panels):
         ax.axhline(1.0, color="#555555", lw=1.2, zorder=1)
@@ -1046,7 +1079,7 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> None:
             ax.axhspan(0, 1.0, color="#d62728", alpha=0.05, zorder=0)
         for d in s.drafters:
             for mode in ("fixed", "adaptive"):
-                want_k = "adaptive" if mode == "adaptive" else s.draft_max
+                want_k = "adaptive" if mode == "adaptive" else fixed_k
                 pts = sorted(
                     (r["theta"], r[key]) for r in rows
                     if r["method"] == "mars" and r["drafter"] == d and r["k"] == want_k and r[key] is not None
@@ -1059,7 +1092,7 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> None:
                 ys = [p[1] for p in pts] + strict[:1]
                 color = _COLORS.get(d, ("#9467bd", "#c5b0d5"))[0 if mode == "fixed" else 1]
                 marker = "o" if mode == "fixed" else "s"
-                label = f"{d} drafter, " + (f"k = {s.draft_max} fixed" if mode == "fixed" else f"adaptive k (≤ {s.draft_max})")
+                label = f"{d} drafter, " + (f"k = {fixed_k} fixed" if mode == "fixed" else f"adaptive k (≤ {s.draft_max})")
                 (ln,) = ax.plot(xs, ys, marker=marker, color=color, lw=3.4 if mode == "fixed" else 2.0,
                                 ms=8 if mode == "fixed" else 6, zorder=3 if mode == "fixed" else 4,
                                 ls="-" if mode == "fixed" else "--")

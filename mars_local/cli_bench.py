@@ -38,6 +38,19 @@ def parse_thetas(value: str) -> tuple[float, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def parse_ks(value: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): draft lengths of the fixed-k runs."""
+    out = []
+    for part in _split(value):
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise MarsError(f"--fixed-k: {part!r} is not a whole number") from None
+    if not out:
+        raise MarsError("--fixed-k needs at least one draft length, e.g. 1,2,4")
+    return tuple(dict.fromkeys(out))
+
+
 def resolve_bench_models(pair: Optional[str], model: Optional[str], model_draft: Optional[str], drafter: Optional[str]):
     """(target, draft, drafters, label, theta, draft_max) for --pair / -m / -md / --drafter.
 
@@ -91,6 +104,11 @@ def bench(
         None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
         help="Draft length k of fixed runs, the cap of adaptive runs (default: the pair's).",
     ),
+    fixed_k: Optional[str] = typer.Option(
+        None, "--fixed-k", metavar="K1,K2,...",
+        help="Draft lengths of the fixed-k runs (default: --draft-max), e.g. 1,2,4 to find the best fixed k.",
+    ),
+    repeat: int = typer.Option(1, "--repeat", help="Generations per configuration and prompt; the fastest counts."),
     temp: float = opt.TEMP,
     seed: int = typer.Option(0, "-s", "--seed", help="Seed of sampling runs (--temp > 0)."),
     top_k: int = opt.TOP_K,
@@ -126,6 +144,7 @@ def bench(
     settings = B.BenchSettings(
         target=target, draft=draft, drafters=drafters, thetas=theta_list,
         draft_max=draft_max if draft_max is not None else pair_k, max_tokens=n_predict,
+        fixed_ks=parse_ks(fixed_k) if fixed_k is not None else None, repeats=repeat,
         temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_ctx=ctx_size,
         n_gpu_layers=opt.gpu_layers(ngl, "-ngl"), n_gpu_layers_draft=opt.gpu_layers(ngld, "-ngld"), n_threads=threads,
         peers=peers, llama_cpp_bin=llama_cpp_bin, label=label,

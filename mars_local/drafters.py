@@ -32,6 +32,7 @@ __all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "ModelDrafter", "EMP
 class Draft:
     tokens: list[int]
     probs: np.ndarray | None = None  # (k, V) when the tokens were sampled
+    keys: list[int] | None = None  # per-position acceptance keys (n-gram: match length)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -67,6 +68,9 @@ class NgramDrafter(Drafter):
 
     Tries n = max_ngram down to min_ngram and proposes up to k tokens that
     followed the most recent match.  Deterministic (q is a point mass).
+    Each draft position carries a key for the adaptive controller: the
+    length of the context match behind it (n, then n+1, ... as the draft
+    continues the match), capped at max_ngram + 2.
     """
 
     name = "ngram"
@@ -76,9 +80,19 @@ class NgramDrafter(Drafter):
             raise MarsError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        # n-gram (a tuple) -> where its most recent continuation starts; kept
+        # up to date as tokens are committed, so a lookup costs O(max_ngram).
+        self._index: dict[tuple[int, ...], int] = {}
+        self._upto, self._last = 1, None  # n-grams ending before _upto are indexed
 
     @staticmethod
-    def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> tuple[int, list[int]]:
+        """(n, continuation): the longest matching n and up to k tokens after
+        its most recent earlier occurrence; (0, []) without a match.
+
+        The reference implementation (a full scan); ``propose`` gives the
+        same answer from an incremental index.
+        """
         n_tok = len(tokens)
         for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
             pattern = tokens[-n:]
@@ -87,13 +101,39 @@ class NgramDrafter(Drafter):
             hits = np.flatnonzero((windows == pattern).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return [int(t) for t in tokens[start : start + k]]
-        return []
+                return n, [int(t) for t in tokens[start : start + k]]
+        return 0, []
+
+    def begin(self, tokens: list[int]) -> int:
+        self._index, self._upto, self._last = {}, 1, None
+        return 0
+
+    def _update(self, tokens: list[int]) -> None:
+        """Index the n-grams ending at e for every new e < len(tokens) (their
+        continuation tokens[e] exists).  ``tokens`` only grows during a
+        generation; anything else (checked cheaply) rebuilds the index."""
+        upto = self._upto
+        if upto > len(tokens) or (upto > 1 and tokens[upto - 1] != self._last):
+            self._index, upto = {}, 1
+        index, lo, hi = self._index, self.min_ngram, self.max_ngram
+        for e in range(upto, len(tokens)):
+            for n in range(lo, min(hi, e) + 1):
+                index[tuple(tokens[e - n : e])] = e
+        self._upto = max(upto, len(tokens))
+        self._last = tokens[self._upto - 1]
 
     def propose(self, tokens: list[int], k: int) -> Draft:
         if k <= 0 or len(tokens) < 2:
             return EMPTY_DRAFT
-        return Draft(self.lookup(np.asarray(tokens, dtype=np.int64), k, self.max_ngram, self.min_ngram))
+        self._update(tokens)
+        index, end = self._index, len(tokens)
+        for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+            start = index.get(tuple(tokens[end - n :]))
+            if start is not None:
+                out = tokens[start : start + k]
+                cap = self.max_ngram + 2
+                return Draft(out, keys=[min(n + i, cap) for i in range(len(out))])
+        return EMPTY_DRAFT
 
 
 class ModelDrafter(Drafter):

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import native
 from .adaptive import AdaptiveK
-from .drafters import EMPTY_DRAFT, Drafter, ModelDrafter, NgramDrafter
+from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter
 from .errors import MarsError
 from .runtime import Context, Model, check_vocab_compatible
 from .sampling import SamplingParams, position_uniforms
@@ -254,8 +254,6 @@ class Engine:
             return None
         if self._adaptive is None:
             self._adaptive = AdaptiveK(k_max=cfg.draft_max, gpu=self.target.offloaded)
-        else:
-            self._adaptive.new_generation()
         self._adaptive.k_max = cfg.draft_max
         return self._adaptive
 
@@ -287,14 +285,24 @@ class Engine:
                     stats.stop_reason = "context"
                     break
                 k_cap = min(cfg.draft_max, remaining - 1, room)
-                k = ctrl.choose(k_cap) if ctrl is not None else k_cap
 
                 t0 = clock()
-                draft = drafter.propose(tokens, k) if k > 0 else EMPTY_DRAFT
+                shadow = None
+                if ctrl is None:
+                    draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+                elif cheap:
+                    # An n-gram lookup is free: propose first, then let the
+                    # controller cut the draft knowing its match lengths.
+                    full = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+                    k = ctrl.choose(k_cap, full.keys or [])
+                    draft = Draft(full.tokens[:k], keys=full.keys[:k]) if k else EMPTY_DRAFT
+                    if not k and full.tokens:
+                        shadow = full  # its first token is compared with the target's, for free
+                else:
+                    k = ctrl.choose(k_cap)
+                    draft = drafter.propose(tokens, k) if k > 0 else EMPTY_DRAFT
                 if len(draft) < cfg.draft_min:
                     draft = EMPTY_DRAFT
-                # A free look at what an n-gram draft would have said (k = 0):
-                shadow = drafter.propose(tokens, 1) if ctrl is not None and k == 0 and k_cap > 0 and cheap else None
                 t1 = clock()
                 base = tgt.n_past
                 logits = tgt.eval([tokens[-1]] + draft.tokens, n_out=len(draft) + 1)
@@ -312,9 +320,9 @@ class Engine:
                 stats.time_target_s += t2 - t1
                 stats.time_verify_s += t3 - t2
                 if ctrl is not None:
-                    ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3))
-                    if shadow:
-                        ctrl.observe_shadow(shadow.tokens[0] == new[0])
+                    ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3), draft.keys)
+                    if shadow is not None:
+                        ctrl.observe_shadow(shadow.tokens[0] == new[0], shadow.keys[0])
 
                 kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
                 stop = None

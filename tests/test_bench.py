@@ -286,8 +286,44 @@ def test_sampling_run_leaves_out_adaptive_mars(tiny_target):
     assert ("mars", "adaptive") not in ks and ("strict", "adaptive") in ks and ("mars", 2) in ks
 
 
+def test_fixed_k_sweep_and_repeats(tiny_target, tiny_prompts):
+    s = B.BenchSettings(target=tiny_target, thetas=(0.9,), draft_max=3, fixed_ks=(1, 3), repeats=2,
+                        max_tokens=8, n_ctx=512, peers=False)
+    runs = B.plan_runs(s)
+    assert [(r.method, r.k) for r in runs] == [
+        ("plain", 0), ("strict", 1), ("strict", 3), ("strict", "adaptive"), ("mars", 1), ("mars", 3), ("mars", "adaptive")]
+    calls = []
+    res = B.run_bench(tiny_prompts, s, lambda done, total, label: calls.append((done, total)))
+    assert calls[-1] == (len(runs) * len(tiny_prompts) * 2,) * 2  # every configuration twice per prompt
+    rows = {(r["method"], r["k"], r["category"]): r for r in res.rows}
+    for method in ("strict", "mars"):
+        row = rows[method, "adaptive", "all"]
+        best = max(rows[m, k, "all"]["tokens_per_second"] for m, k in [("plain", 0), (method, 1), (method, 3)])
+        assert row["vs_best_fixed"] == pytest.approx(row["tokens_per_second"] / best)
+        assert rows[method, 1, "all"]["vs_best_fixed"] is None
+
+
+def test_repeats_keep_the_fastest_generation(tiny_target, tiny_prompts, monkeypatch):
+    s = B.BenchSettings(target=tiny_target, thetas=(0.9,), draft_max=2, adaptive_modes=(False,), repeats=3,
+                        max_tokens=6, n_ctx=512, peers=False)
+    seen = []
+    orig = B._engine_sample
+
+    def slow_then_fast(out):  # the decode time of each generation, made up: 3, 2, 1, 3, 2, 1, ...
+        smp = orig(out)
+        smp.time_decode_s = 3.0 - len(seen) % 3
+        seen.append(smp.time_decode_s)
+        return smp
+
+    monkeypatch.setattr(B, "_engine_sample", slow_then_fast)
+    res = B.run_bench(tiny_prompts[:1], s)
+    assert all(x.time_decode_s == 1.0 for r in res.runs for x in res.samples[r])
+
+
 def test_settings_validation(tiny_target):
     for bad, needle in [
+        (dict(fixed_ks=(0,)), "fixed draft length"), (dict(draft_max=2, fixed_ks=(3,)), "fixed draft length"),
+        (dict(repeats=0), "repeat"),
         (dict(thetas=(1.5,)), "theta"), (dict(thetas=(0.0,)), "theta"), (dict(thetas=()), "θ"),
         (dict(drafters=("model",)), "draft model"), (dict(drafters=("magic",)), "ngram or model"),
         (dict(draft_max=0), "draft-max"), (dict(max_tokens=0), "tokens"), (dict(temperature=-1.0), "temperature"),
@@ -418,6 +454,9 @@ def bad_bench(tiny_target, tmp_path_factory):
         "not a folder": (["--llama-cpp-bin", d / "nope"], "not a directory"),
         "zero tokens": (["-n", "0"], "tokens"),
         "zero k": (["--draft-max", "0"], "draft-max"),
+        "fixed k not a number": (["--fixed-k", "1,x"], "whole number"),
+        "fixed k above draft max": (["--draft-max", "2", "--fixed-k", "4"], "fixed draft length"),
+        "zero repeats": (["--repeat", "0"], "repeat"),
         "bad json dir": (["--json", d / "no" / "b.json"], "no such directory"),
     }, t
 
@@ -426,6 +465,7 @@ BAD = [
     "missing prompts file", "undecodable prompts file", "malformed JSONL", "unknown category", "theta too big",
     "theta zero", "theta not a number", "draft model missing", "bad drafter", "pair and model", "unknown pair",
     "no binaries", "one binary missing", "not a folder", "zero tokens", "zero k", "bad json dir",
+    "fixed k not a number", "fixed k above draft max", "zero repeats",
 ]
 
 

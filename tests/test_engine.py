@@ -62,6 +62,40 @@ def test_strict_sampling_equals_plain_sampling_for_the_same_seed(plain, spec, ng
                 assert out.tokens == ref.tokens, (seed, eng.drafter_kind, adaptive)
 
 
+def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, ngram, monkeypatch):
+    """The n-gram draft is proposed before the choice; the controller sees its
+    match-length keys and the target verifies exactly the prefix it chose."""
+    from mars_local.adaptive import AdaptiveK
+    from mars_local.drafters import NgramDrafter
+
+    calls, observed = [], []
+    real_observe = AdaptiveK.observe
+
+    def choose(self, k_limit=None, keys=None):
+        k = len(keys) // 2 if keys else 0  # half of whatever was proposed
+        calls.append((list(keys) if keys is not None else None, k))
+        return k
+
+    def observe(self, k, n_accepted, t_target, t_draft, keys=None):
+        observed.append((k, keys))
+        return real_observe(self, k, n_accepted, t_target, t_draft, keys)
+
+    monkeypatch.setattr(AdaptiveK, "choose", choose)
+    monkeypatch.setattr(AdaptiveK, "observe", observe)
+    prompt = "the a the a the a hello the a the"
+    ref = plain.generate(prompt, max_tokens=40, verify="strict")
+    out = ngram.generate(prompt, max_tokens=40, verify="strict", draft_max=6)
+    assert out.tokens == ref.tokens  # still lossless
+    ks = out.stats.k_per_round
+    assert len(calls) >= len(ks) - 1 and any(k > 0 for k in ks)
+    for (keys, k), used, (k_obs, keys_obs) in zip(calls, ks, observed):
+        assert used == k == k_obs
+        assert keys is not None and len(keys) <= 6
+        if keys:  # match lengths, growing by one per draft position
+            assert keys == [min(keys[0] + i, ngram.ngram_max + 2) for i in range(len(keys))]
+            assert keys_obs == (keys[:k] if k else None)
+
+
 def test_plain_decoding_is_one_token_per_round(plain):
     out = plain.generate("hello", max_tokens=20)
     s = out.stats
