@@ -187,6 +187,10 @@ class AdaptiveK:
     def _round_cost(self, k: int, cheap: bool) -> float:
         return self.target_costs(k + 1)[k] + (0.0 if cheap else self.draft_cost * k)
 
+    def share_costs(self, other: "AdaptiveK") -> None:
+        """Use (and update) ``other``'s window timings: same target, another acceptance regime."""
+        self._time, self._warm = other._time, other._warm
+
     # ------------------------------------------------------------ feedback
     def _count(self, key: Hashable, accepted: bool) -> None:
         for kk in (key, POOL) if key != POOL else (POOL,):

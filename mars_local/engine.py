@@ -148,7 +148,7 @@ class Engine:
             check_vocab_compatible(self.target, self.draft_model)
             self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, **ctx_opts)
         self._chat_formatter = None
-        self._adaptive: AdaptiveK | None = None
+        self._adaptive: dict[tuple, AdaptiveK] = {}  # one per acceptance regime
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
 
@@ -252,10 +252,18 @@ class Engine:
         depends_on_k = cfg.verify == "mars" or (cfg.draft_sampling == "sample" and not cfg.sampling.greedy)
         if cfg.sampling.seeded and depends_on_k:
             return None
-        if self._adaptive is None:
-            self._adaptive = AdaptiveK(k_max=cfg.draft_max, gpu=self.target.offloaded)
-        self._adaptive.k_max = cfg.draft_max
-        return self._adaptive
+        # Acceptance depends on the rule (and θ, and sampling); window costs
+        # only on the target, so controllers of different rules share them.
+        regime = (cfg.verify, cfg.theta if cfg.verify == "mars" else None, cfg.sampling.greedy)
+        ctrl = self._adaptive.get(regime)
+        if ctrl is None:
+            first = next(iter(self._adaptive.values()), None)
+            ctrl = AdaptiveK(k_max=cfg.draft_max, gpu=self.target.offloaded)
+            if first is not None:
+                ctrl.share_costs(first)
+            self._adaptive[regime] = ctrl
+        ctrl.k_max = cfg.draft_max
+        return ctrl
 
     def _run(self, tokens, cfg, vcfg, seed, drafter, stats, ctrl) -> Iterator[Chunk]:
         clock = time.perf_counter

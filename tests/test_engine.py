@@ -96,6 +96,18 @@ def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, ngram, 
             assert keys_obs == (keys[:k] if k else None)
 
 
+def test_each_verification_rule_learns_its_own_acceptance_on_shared_costs(tiny_target):
+    with Engine(tiny_target, drafter="ngram") as eng:
+        eng.generate("the a the a the", max_tokens=20, verify="strict", draft_max=4)
+        eng.generate("the a the a the", max_tokens=20, verify="mars", theta=0.9, draft_max=4)
+        eng.generate("the a the a the", max_tokens=20, verify="mars", theta=0.8, draft_max=4)
+        eng.generate("the a the a the", max_tokens=20, verify="strict", draft_max=4)
+        ctrls = list(eng._adaptive.values())
+        assert len(ctrls) == 3
+        assert all(c._time is ctrls[0]._time for c in ctrls) and ctrls[0]._time
+        assert ctrls[0]._counts is not ctrls[1]._counts
+
+
 def test_plain_decoding_is_one_token_per_round(plain):
     out = plain.generate("hello", max_tokens=20)
     s = out.stats
