@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -361,6 +362,7 @@ def test_cli_quick_json_contract(tiny_target, tiny_draft, tmp_path):
 
 FAKE = r'''#!{python}
 import sys
+from pathlib import Path
 args = sys.argv[1:]
 if "--help" in args:
     print("-m, --model FNAME\n--spec-type TYPE\n--spec-draft-n-max N\n--no-escape\n"
@@ -492,3 +494,29 @@ def test_thetas_parse():
     assert parse_thetas("0.85, 0.9,0.95,0.9") == (0.85, 0.9, 0.95)
     assert parse_thetas("1") == (1.0,)
     assert math.isclose(parse_thetas(".5")[0], 0.5)
+
+
+def test_report_script_renders_markdown(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report", Path(__file__).parents[1] / "benchmarks" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    base = dict(acceptance_rate=None, mean_accepted_length=1.0, relaxed_share=None, token_agreement=1.0,
+                nll_ratio=1.0, vs_best_fixed=None)
+    runs = []
+    for cat, q in (("rag", 1.0), ("all", 1.0)):
+        runs.append(dict(base, category=cat, method="plain", drafter="none", theta=None, k=0,
+                         tokens_per_second=100.0, speedup_vs_plain=1.0, quality_recovery=q))
+        runs.append(dict(base, category=cat, method="mars", drafter="ngram", theta=0.9, k="adaptive",
+                         tokens_per_second=98.0, speedup_vs_plain=0.98, quality_recovery=0.99, vs_best_fixed=0.98,
+                         acceptance_rate=0.5, relaxed_share=0.1))
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"runs": runs, "meta": {"model": "m", "n_prompts": 1, "max_tokens": 8}}))
+    assert report.main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "| mars ngram θ=0.9 k=adaptive | 98.0 | 0.98× | 50% | 1.00 | 10% | 100% | 0.990 | 1.000 | 0.98× |" in out
+    assert "| mars ngram θ=0.9 k=adaptive | 0.98 / 0.99 | 0.98 |" in out
+    assert "best fixed k in hindsight" in out and "| mars ngram θ=0.9 k=adaptive | 0.98 | 0.98 |" in out
+    assert report.main([str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.startswith("error:")
