@@ -175,9 +175,9 @@ class AdaptiveK:
         # budget covers what it is expected to lose against plain decoding.
         if keys is not None and self._time.get(k + 1, (0.0, 0.0))[1] >= 2.0:
             return 0  # a cheap drafter's acceptance is seen for free, and this window's cost is known
-        # its expected time minus what plain decoding needs for its tokens
-        tokens = best * self._round_cost(k, keys is not None)
-        loss = tokens / best - tokens / plain
+        # its expected time minus what plain decoding needs for its expected tokens
+        cost = self._round_cost(k, keys is not None)
+        loss = cost - best * cost / plain
         if self._budget >= loss:
             self._budget -= max(loss, 0.0)
             self.n_probes += 1
@@ -193,7 +193,7 @@ class AdaptiveK:
 
     # ------------------------------------------------------------ feedback
     def _count(self, key: Hashable, accepted: bool) -> None:
-        for kk in (key, POOL) if key != POOL else (POOL,):
+        for kk in (POOL,) if key is None or key == POOL else (key, POOL):
             slot = self._counts.setdefault(kk, [0.0, 0.0])
             slot[0] *= self.decay
             slot[1] *= self.decay
