@@ -126,33 +126,35 @@ class AdaptiveK:
     def draft_cost(self) -> float:
         return self._draft_time / self._draft_tokens if self._draft_tokens > 0 else 0.0
 
-    def rates(self, k_max: int, keys: Sequence[Hashable] | None = None) -> list[float]:
-        """Expected tokens per second with k = 0..k_max drafts (zeros when costs are unknown).
+    def _plan(self, k_max: int, keys: Sequence[Hashable] | None) -> tuple[list[float], list[float]] | None:
+        """(expected tokens, expected seconds) of a round with k = 0..k_max drafts.
 
         ``keys`` (one per draft position, at least k_max of them) are the keys
         of a draft already proposed by a cheap drafter; without them the draft
         is a draft model's, still to be made, and every position has key None
-        (and costs ``draft_cost`` per token).
+        (and costs ``draft_cost`` per token).  None when costs are unknown.
         """
         costs = self.target_costs(k_max + 1)
         if costs is None:
-            return [0.0] * (k_max + 1)
+            return None
         c = 0.0 if keys is not None else self.draft_cost
         memo: dict = {}
-        out, tokens, run = [], 1.0, 1.0
-        for k in range(k_max + 1):
-            if k:
-                key = keys[k - 1] if keys is not None else None
-                if key not in memo:
-                    memo[key] = self.acceptance(key)
-                run *= memo[key]
-                tokens += run
-            out.append(tokens / (costs[k] + c * k))
-        return out
+        tokens, total, run = [1.0], 1.0, 1.0
+        for k in range(1, k_max + 1):
+            key = keys[k - 1] if keys is not None else None
+            if key not in memo:
+                memo[key] = self.acceptance(key)
+            run *= memo[key]
+            total += run
+            tokens.append(total)
+        return tokens, [t + c * k for k, t in enumerate(costs)]
 
-    def rate(self, k: int, keys: Sequence[Hashable] | None = None) -> float:
-        """Expected tokens per second with k drafts (see :meth:`rates`)."""
-        return self.rates(k, keys)[k]
+    def rates(self, k_max: int, keys: Sequence[Hashable] | None = None) -> list[float]:
+        """Expected tokens per second with k = 0..k_max drafts (zeros when costs are unknown)."""
+        plan = self._plan(k_max, keys)
+        if plan is None:
+            return [0.0] * (k_max + 1)
+        return [n / t for n, t in zip(*plan)]
 
     # -------------------------------------------------------------- choice
     def choose(self, k_limit: int | None = None, keys: Sequence[Hashable] | None = None) -> int:
@@ -165,7 +167,8 @@ class AdaptiveK:
             k_max = min(k_max, len(keys))
         if k_max <= 0 or 1 not in self._time:
             return 0  # nothing to draft, or first measure plain forwards
-        rates = self.rates(k_max, keys)
+        tokens, costs = self._plan(k_max, keys)
+        rates = [n / t for n, t in zip(tokens, costs)]
         plain = rates[0]
         best = max(rates[1:])
         k = rates.index(best, 1)
@@ -176,16 +179,12 @@ class AdaptiveK:
         if keys is not None and self._time.get(k + 1, (0.0, 0.0))[1] >= 2.0:
             return 0  # a cheap drafter's acceptance is seen for free, and this window's cost is known
         # its expected time minus what plain decoding needs for its expected tokens
-        cost = self._round_cost(k, keys is not None)
-        loss = cost - best * cost / plain
+        loss = costs[k] - tokens[k] / plain
         if self._budget >= loss:
             self._budget -= max(loss, 0.0)
             self.n_probes += 1
             return k
         return 0
-
-    def _round_cost(self, k: int, cheap: bool) -> float:
-        return self.target_costs(k + 1)[k] + (0.0 if cheap else self.draft_cost * k)
 
     def share_costs(self, other: "AdaptiveK") -> None:
         """Use (and update) ``other``'s window timings: same target, another acceptance regime."""

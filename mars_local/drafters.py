@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from .errors import MarsError
 from .sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
@@ -84,25 +83,6 @@ class NgramDrafter(Drafter):
         # up to date as tokens are committed, so a lookup costs O(max_ngram).
         self._index: dict[tuple[int, ...], int] = {}
         self._upto, self._last = 1, None  # n-grams ending before _upto are indexed
-
-    @staticmethod
-    def lookup(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int = 1) -> tuple[int, list[int]]:
-        """(n, continuation): the longest matching n and up to k tokens after
-        its most recent earlier occurrence; (0, []) without a match.
-
-        The reference implementation (a full scan); ``propose`` gives the
-        same answer from an incremental index.
-        """
-        n_tok = len(tokens)
-        for n in range(min(max_ngram, n_tok - 1), min_ngram - 1, -1):
-            pattern = tokens[-n:]
-            # windows that end before the last token, so a continuation exists
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return n, [int(t) for t in tokens[start : start + k]]
-        return 0, []
 
     def begin(self, tokens: list[int]) -> int:
         self._index, self._upto, self._last = {}, 1, None
