@@ -1,6 +1,6 @@
 """Where MARS relaxes: the target's top logit, the top-2 logit gap and p2/p1 at relaxed positions.
 
-    python benchmarks/relaxed_positions.py --theta 0.9 --draft-max 4
+    .venv/bin/python benchmarks/relaxed_positions.py --theta 0.9 --draft-max 4
 
 Generates with MARS (fixed k, n-gram drafter, greedy) on the built-in prompt set with the bundled
 model (or -m), then re-scores each output with one teacher-forced forward of the target to read

@@ -1,6 +1,6 @@
 """Markdown tables from a `mars bench --json` file (the tables in BENCHMARKS.md).
 
-    python benchmarks/report.py benchmarks/results/bench-smollm2-t0.json
+    .venv/bin/python benchmarks/report.py benchmarks/results/bench-smollm2-t0.json
 
 Prints the overall ("all") rows and a per-category table of speedup vs plain
 (with quality recovery where the category has a metric), and, when the run
@@ -13,21 +13,11 @@ import argparse
 import json
 import sys
 
+from mars_local.bench import row_label, rows_by_configuration
+
 
 def fmt(v, spec: str, suffix: str = "") -> str:
     return "–" if v is None else format(v, spec) + suffix
-
-
-def label(r: dict) -> str:
-    if r["method"] == "plain":
-        return "plain"
-    parts = [r["method"]]
-    if r["method"] in ("strict", "mars"):
-        parts.append(r["drafter"])
-    if r["theta"] is not None:
-        parts.append(f"θ={r['theta']:g}")
-    parts.append(f"k={r['k']}")
-    return " ".join(parts)
 
 
 def overall(runs: list[dict]) -> list[str]:
@@ -38,7 +28,7 @@ def overall(runs: list[dict]) -> list[str]:
         if r["category"] != "all":
             continue
         out.append("| " + " | ".join([
-            label(r), f"{r['tokens_per_second']:.1f}", fmt(r["speedup_vs_plain"], ".2f", "×"),
+            row_label(r), f"{r['tokens_per_second']:.1f}", fmt(r["speedup_vs_plain"], ".2f", "×"),
             fmt(r["acceptance_rate"], ".0%"), fmt(r["mean_accepted_length"], ".2f"), fmt(r["relaxed_share"], ".0%"),
             fmt(r["token_agreement"], ".0%"), fmt(r["quality_recovery"], ".3f"), fmt(r["nll_ratio"], ".3f"),
             fmt(r.get("vs_best_fixed"), ".2f", "×"),
@@ -49,10 +39,7 @@ def overall(runs: list[dict]) -> list[str]:
 def per_category(runs: list[dict], key: str = "speedup_vs_plain", with_quality: bool = True) -> list[str]:
     cats = [c for c in dict.fromkeys(r["category"] for r in runs) if c != "all"] + ["all"]
     out = ["| configuration | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
-    by: dict[str, dict[str, dict]] = {}
-    for r in runs:
-        by.setdefault(label(r), {})[r["category"]] = r
-    for name, cells in by.items():
+    for name, cells in rows_by_configuration(runs).items():
         vals = []
         for c in cats:
             r = cells.get(c)

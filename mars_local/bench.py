@@ -984,8 +984,16 @@ def _fmt(v, spec: str, none: str = "–") -> str:
     return none if v is None else format(v, spec)
 
 
-def _row_label(row: dict) -> str:
+def row_label(row: dict) -> str:
     return RunConfig(row["method"], row["drafter"], row["theta"], row["k"]).label
+
+
+def rows_by_configuration(rows: Sequence[dict]) -> dict[str, dict[str, dict]]:
+    """{configuration label: {category: row}}, in the order of ``rows``."""
+    by: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by.setdefault(row_label(r), {})[r["category"]] = r
+    return by
 
 
 def render_tables(result_or_rows, title: str = ""):
@@ -1018,10 +1026,7 @@ def render_tables(result_or_rows, title: str = ""):
     per.add_column("configuration", no_wrap=True)
     for c in cats:
         per.add_column(c, justify="right", no_wrap=True)
-    by = {}
-    for r in rows:
-        by.setdefault(_row_label(r), {})[r["category"]] = r
-    for label, cells in by.items():
+    for label, cells in rows_by_configuration(rows).items():
         vals = []
         for c in cats:
             r = cells.get(c)
