@@ -1,0 +1,66 @@
+"""The cost-realistic stand-in target (benchmarks/make_standin.py): padded, yet the same model."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mars_local.runtime import Context, Model
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _standin_module():
+    spec = importlib.util.spec_from_file_location("make_standin", ROOT / "benchmarks" / "make_standin.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def padded40(smollm2_f16, tmp_path_factory) -> Path:
+    return _standin_module().pad_model(smollm2_f16, tmp_path_factory.mktemp("standin") / "pad40.gguf", 40)
+
+
+def _greedy(path: Path, prompt: str, n: int) -> tuple[list[int], np.ndarray]:
+    m = Model(path, 0)
+    ctx = Context(m, n_ctx=256, n_threads=2)
+    try:
+        toks = m.tokenize(prompt)
+        ctx.sync(toks[:-1])
+        out, last, first = [], toks[-1], None
+        for _ in range(n):
+            row = ctx.eval([last], 1)[0]
+            if first is None:
+                first = row.copy()
+            last = int(row.argmax())
+            out.append(last)
+        return out, first
+    finally:
+        ctx.close()
+        m.close()
+
+
+def test_padded_model_has_more_blocks_and_the_same_greedy_tokens(smollm2_f16, padded40):
+    import gguf
+
+    r = gguf.GGUFReader(str(padded40))
+    assert int(r.fields["llama.block_count"].contents()) == 40
+    assert any(t.name == "blk.39.ffn_down.weight" and not np.any(t.data) for t in r.tensors)
+    assert padded40.stat().st_size > smollm2_f16.stat().st_size * 1.2
+    for prompt in ("The capital of France is", "def add(a, b):\n"):
+        ref, ref_row = _greedy(smollm2_f16, prompt, 24)
+        got, got_row = _greedy(padded40, prompt, 24)
+        assert got == ref, prompt
+        np.testing.assert_allclose(got_row, ref_row, rtol=0, atol=1e-3)
+
+
+def test_pad_refuses_fewer_blocks_than_the_model_has(smollm2_f16, tmp_path):
+    with pytest.raises(ValueError, match="cannot pad"):
+        _standin_module().pad_model(smollm2_f16, tmp_path / "x.gguf", 10)
+    assert not (tmp_path / "x.gguf").exists()
