@@ -24,7 +24,15 @@ The model (deliberately small, three parts):
   n-gram lookup is done every round anyway, so it costs nothing extra.
 
 Each round the controller returns argmax_k E[tokens | k] / (T(k+1) + c*k)
-over 0..k_max; k = 0 is plain decoding.  A cheap drafter (n-gram) proposes
+over 0..k_max; k = 0 is plain decoding.  A draft model's tokens get a key
+too once drafted: the bucket of the draft's own top-token probability
+(:func:`confidence_key`; a confident draft is accepted far more often).  The
+draft model drafts token by token and the controller says when to stop
+(:meth:`AdaptiveK.extend`): with R the best expected rate of the round's
+plan, drafting goes on while some longer window promises more than
+R x its extra cost (E[tokens] - R*cost is what a round adds to a long run at
+rate R), and :meth:`AdaptiveK.trim` drops trailing drafts not worth their
+rows in the verify window.  A cheap drafter (n-gram) proposes
 before the choice, so the keys of the actual draft are known, and its first
 token is compared with the target's token for free when k = 0 ("shadow"
 observation: for a deterministic draft, agreement is exactly acceptance).
@@ -42,9 +50,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-__all__ = ["AdaptiveK", "expected_tokens"]
+__all__ = ["AdaptiveK", "expected_tokens", "confidence_key"]
 
 POOL = "__pooled__"
+
+# Buckets of a draft model's top-token probability: acceptance keys "p0".."p8".
+CONFIDENCE_EDGES = (0.2, 0.4, 0.6, 0.8, 0.9, 0.95, 0.98, 0.995)
+
+
+def confidence_key(p_top: float) -> str:
+    """Acceptance key of a draft-model token whose top-token probability is ``p_top``."""
+    i = 0
+    while i < len(CONFIDENCE_EDGES) and p_top >= CONFIDENCE_EDGES[i]:
+        i += 1
+    return f"p{i}"
 
 
 def expected_tokens(a: float | Sequence[float], k: int | None = None) -> float:
@@ -79,6 +98,7 @@ class AdaptiveK:
     _draft_tokens: float = 0.0
     _budget: float = 0.0  # seconds the next probe may cost beyond plain decoding
     _primed: bool = False
+    _rate: float = 0.0  # expected tokens/s of the last plan (R in extend/trim)
     n_probes: int = 0
 
     # ------------------------------------------------------------ estimates
@@ -172,6 +192,7 @@ class AdaptiveK:
         plain = rates[0]
         best = max(rates[1:])
         k = rates.index(best, 1)
+        self._rate = max(best, plain)
         if best > plain * 1.0001:
             return k
         # Plain decoding looks best.  Probe the most promising window when the
@@ -186,11 +207,54 @@ class AdaptiveK:
             return k
         return 0
 
+    def _gains(self, keys: Sequence[Hashable], k_limit: int, draft_cost: float) -> list[float]:
+        """E[tokens] - R * cost of a round stopped after j = 0..k_limit drafts, the
+        first len(keys) of them drafted already (known keys), later ones at the
+        pooled acceptance."""
+        costs = self.target_costs(k_limit + 1)
+        rate, a_next = self._rate, self.acceptance(None)
+        out, total, run = [], 1.0, 1.0
+        for j in range(k_limit + 1):
+            if j:
+                run *= self.acceptance(keys[j - 1]) if j <= len(keys) else a_next
+                total += run
+            out.append(total - rate * (costs[j] + draft_cost * j))
+        return out
+
+    def extend(self, keys: Sequence[Hashable], k_limit: int | None = None) -> bool:
+        """After drafting ``len(keys)`` tokens: is drafting more expected to pay?"""
+        k_limit = self.k_max if k_limit is None else min(k_limit, self.k_max)
+        m = len(keys)
+        if m >= k_limit:
+            return False
+        if 1 not in self._time or self._rate <= 0.0:
+            return True  # nothing measured yet: draft the planned length
+        g = self._gains(keys, k_limit, self.draft_cost)
+        return max(g[m + 1 :]) > g[m]
+
+    def trim(self, keys: Sequence[Hashable]) -> int:
+        """How many of the drafted tokens (with these keys) to verify: the drafting is
+        paid for, so only each row's share of the verify window counts."""
+        if not keys or 1 not in self._time or self._rate <= 0.0:
+            return len(keys)
+        g = self._gains(keys, len(keys), 0.0)
+        return max(range(len(g)), key=lambda j: (g[j], j))
+
     def share_costs(self, other: "AdaptiveK") -> None:
         """Use (and update) ``other``'s window timings: same target, another acceptance regime."""
         self._time, self._warm = other._time, other._warm
 
     # ------------------------------------------------------------ feedback
+    def _time_forward(self, w: int, seconds: float) -> None:
+        if w not in self._warm:  # llama.cpp builds a new graph for a new batch shape: slow once
+            self._warm.add(w)
+            return
+        slot = self._time.setdefault(w, [0.0, 0.0])
+        if slot[1] > 0.5:  # a stray slow forward (machine busy) counts at most 1.5x the mean
+            seconds = min(seconds, 1.5 * slot[0] / slot[1])
+        slot[0] = slot[0] * self.decay + seconds
+        slot[1] = slot[1] * self.decay + 1.0
+
     def _count(self, key: Hashable, accepted: bool) -> None:
         for kk in (POOL,) if key is None or key == POOL else (key, POOL):
             slot = self._counts.setdefault(kk, [0.0, 0.0])
@@ -199,24 +263,24 @@ class AdaptiveK:
             slot[0 if accepted else 1] += 1.0
 
     def observe(
-        self, k: int, n_accepted: int, t_target: float, t_draft: float, keys: Sequence[Hashable] | None = None
+        self, k: int, n_accepted: int, t_target: float, t_draft: float, keys: Sequence[Hashable] | None = None,
+        drafted: int | None = None,
     ) -> None:
-        """One verify round: k drafted (with these keys), n_accepted kept, and what it cost."""
-        w = k + 1
-        if w not in self._warm:  # llama.cpp builds a new graph for a new batch shape: slow once
-            self._warm.add(w)
-        else:
-            slot = self._time.setdefault(w, [0.0, 0.0])
-            if slot[1] > 0.5:  # a stray slow forward (machine busy) counts at most 1.5x the mean
-                t_target = min(t_target, 1.5 * slot[0] / slot[1])
-            slot[0] = slot[0] * self.decay + t_target
-            slot[1] = slot[1] * self.decay + 1.0
+        """One verify round: k drafts verified (with these keys), n_accepted kept, and what it cost.
+
+        ``drafted``: tokens a draft model made for the round (>= k: trimmed ones
+        count), whose time ``t_draft`` was; default k without keys (a draft
+        model), 0 with keys (a cheap drafter).
+        """
+        self._time_forward(k + 1, t_target)
+        if drafted is None:
+            drafted = k if keys is None else 0
+        if drafted > 0:
+            self._draft_time = self._draft_time * self.decay + t_draft
+            self._draft_tokens = self._draft_tokens * self.decay + drafted
         if k > 0:
             for i in range(min(n_accepted + 1, k)):  # positions after the first rejection are unseen
                 self._count(keys[i] if keys is not None else None, i < n_accepted)
-            if keys is None:
-                self._draft_time = self._draft_time * self.decay + t_draft
-                self._draft_tokens = self._draft_tokens * self.decay + k
         else:
             cap = self.probe_start * t_target
             if not self._primed:  # a young controller may look around a little more
@@ -226,3 +290,37 @@ class AdaptiveK:
     def observe_shadow(self, agreed: bool, key: Hashable | None = None) -> None:
         """A free draft token compared with the target's token (k = 0 rounds)."""
         self._count(key, agreed)
+
+    def observe_forward(self, w: int, seconds: float) -> None:
+        """A target forward of ``w`` rows that verified nothing (a calibration)."""
+        self._time_forward(w, seconds)
+
+    # --------------------------------------------------------- persistence
+    def export_state(self) -> dict:
+        """What this controller learned, as plain JSON-able data (see :mod:`mars_local.learned`)."""
+        return {
+            "time": {str(w): list(v) for w, v in self._time.items()},
+            "draft": [self._draft_time, self._draft_tokens],
+            "counts": [[k, v[0], v[1]] for k, v in self._counts.items()],
+        }
+
+    def import_state(self, state: dict, weight_cap: float = 20.0, time_cap: float = 5.0) -> None:
+        """Start from an exported state; its weights are capped so that new
+        observations soon outweigh it.  Malformed parts are ignored."""
+        try:
+            for w, (t, n) in (state.get("time") or {}).items():
+                w, t, n = int(w), float(t), float(n)
+                if w >= 1 and n > 0 and t > 0:
+                    f = min(1.0, time_cap / n)
+                    self._time[w] = [t * f, n * f]
+            t, n = (float(x) for x in (state.get("draft") or (0.0, 0.0)))
+            if n > 0 and t > 0:
+                f = min(1.0, time_cap * 4 / n)
+                self._draft_time, self._draft_tokens = t * f, n * f
+            for key, acc, rej in state.get("counts") or ():
+                acc, rej = float(acc), float(rej)
+                if acc >= 0 and rej >= 0 and (acc + rej) > 0 and isinstance(key, (int, str)):
+                    f = min(1.0, weight_cap / (acc + rej))
+                    self._counts[key] = [acc * f, rej * f]
+        except (TypeError, ValueError, AttributeError):
+            pass

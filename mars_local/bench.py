@@ -402,6 +402,7 @@ class BenchSettings:
     ngram_max: int = 3
     peers: bool = True
     llama_cpp_bin: Path | None = None
+    peer_ks: tuple[int, ...] | None = None  # llama-speculative-simple's draft lengths (default: draft_max)
     warmup: bool = True
     label: str = ""
     notes: list[str] = field(default_factory=list)
@@ -424,6 +425,9 @@ class BenchSettings:
         for k in self.ks():
             if not 1 <= k <= self.draft_max:
                 raise MarsError(f"a fixed draft length must be in 1..--draft-max ({self.draft_max}), got {k}")
+        for k in self.peer_ks or ():
+            if not 1 <= k <= 64:
+                raise MarsError(f"a draft length of llama.cpp's speculative decoding must be in 1..64, got {k}")
         if self.repeats < 1:
             raise MarsError(f"--repeat must be >= 1, got {self.repeats}")
         if self.max_tokens < 1:
@@ -468,7 +472,8 @@ def plan_runs(s: BenchSettings) -> list[RunConfig]:
         runs.append(RunConfig(PEER_LCP, "ngram", None, s.draft_max))
     if s.llama_cpp_bin is not None:
         for d in s.drafters:
-            runs.append(RunConfig(PEER_SPEC, d, None, s.draft_max))
+            for k in dict.fromkeys(s.peer_ks or (s.draft_max,)):
+                runs.append(RunConfig(PEER_SPEC, d, None, k))
         runs.append(RunConfig(PEER_COMPLETION, "none", None, 0))
     return runs
 
@@ -491,13 +496,15 @@ class Sample:
     n_relaxed: int | None = None
     score: float | None = None
     nll_sum: float | None = None
+    n_prefill: int | None = None  # prompt tokens the target evaluated (its own prefill, draft excluded)
+    time_prefill_s: float | None = None
 
 
 def _engine_sample(out) -> Sample:
     s = out.stats
     return Sample(
         text=out.text, tokens=list(out.tokens), n_generated=s.n_generated,
-        time_decode_s=max(s.time_total_s - s.time_prompt_s, 0.0),
+        time_decode_s=s.time_decode_s, n_prefill=s.n_prompt_evaluated, time_prefill_s=s.time_prompt_target_s,
         time_target_s=s.time_target_s, time_draft_s=s.time_draft_s, time_verify_s=s.time_verify_s,
         n_rounds=s.n_rounds, n_drafted=s.n_drafted, n_accepted=s.n_accepted, n_relaxed=s.n_relaxed,
     )
@@ -569,6 +576,8 @@ _N_DRAFTED = re.compile(r"\bn_drafted\s*=\s*(\d+)")
 _N_ACCEPT = re.compile(r"\bn_accept(?:ed)?\s*=\s*(\d+)")
 _ACCEPT_PCT = re.compile(r"\baccept\s*=\s*([\d.]+)\s*%")
 _EVAL_TIME = re.compile(r"(?<!prompt )\beval time\s*=\s*([\d.]+)\s*ms\s*/\s*(\d+)\s*(?:runs|tokens)")
+_PROMPT_EVAL = re.compile(r"\bprompt eval time\s*=\s*([\d.]+)\s*ms\s*/\s*(\d+)\s*tokens")
+_ENCODED = re.compile(r"encoded\s+(\d+)\s+tokens\s+in\s+([\d.]+)\s*s(?:econds)?")
 
 
 def parse_llama_cpp_stats(output: str) -> dict:
@@ -591,6 +600,12 @@ def parse_llama_cpp_stats(output: str) -> dict:
             ms, n = ev[-1]
             stats["n_generated"] = int(n)
             stats["time_decode_s"] = float(ms) / 1000.0
+    enc = _ENCODED.findall(output)
+    pe = _PROMPT_EVAL.findall(output)
+    if enc:  # llama-speculative-simple: the target's prompt
+        stats["n_prefill"], stats["time_prefill_s"] = int(enc[-1][0]), float(enc[-1][1])
+    elif pe:
+        stats["n_prefill"], stats["time_prefill_s"] = int(pe[-1][1]), float(pe[-1][0]) / 1000.0
     d = _N_DRAFTED.findall(output)
     a = _N_ACCEPT.findall(output)
     if d:
@@ -631,8 +646,9 @@ class LlamaCppBinaryPeer:
     builds ``--draft-max`` (and drafted with ``-md`` alone).
     """
 
-    def __init__(self, binary: Path, method: str, s: BenchSettings, drafter: str = "none"):
+    def __init__(self, binary: Path, method: str, s: BenchSettings, drafter: str = "none", k: int | None = None):
         self.binary, self.method, self.drafter = Path(binary), method, drafter
+        self.k = k if k is not None else s.draft_max
         self.help = self._help()
         self.tmp = Path(tempfile.mkdtemp(prefix="mars-bench-"))
         self.args = self._args(s)
@@ -662,7 +678,7 @@ class LlamaCppBinaryPeer:
             a.append("--no-escape")
         if self.method == PEER_SPEC:
             n_max = "--spec-draft-n-max" if self._has("--spec-draft-n-max") else "--draft-max"
-            a += [n_max, str(s.draft_max)]
+            a += [n_max, str(self.k)]
             if self.drafter == "model":
                 a += ["-md", str(s.draft)]
                 if s.n_gpu_layers_draft is not None:
@@ -679,7 +695,7 @@ class LlamaCppBinaryPeer:
                 if self._has("--spec-ngram-simple-size-n"):
                     a += ["--spec-ngram-simple-size-n", str(s.ngram_max)]
                 if self._has("--spec-ngram-simple-size-m"):
-                    a += ["--spec-ngram-simple-size-m", str(s.draft_max)]
+                    a += ["--spec-ngram-simple-size-m", str(self.k)]
         else:
             for flag in ("-no-cnv", "--no-display-prompt"):
                 if self._has(flag):
@@ -702,7 +718,8 @@ class LlamaCppBinaryPeer:
         if "n_generated" not in st:
             raise MarsError(f"could not find decode statistics in the output of {self.binary.name}")
         return Sample(text=None, tokens=None, n_generated=st["n_generated"], time_decode_s=st["time_decode_s"],
-                      n_drafted=st.get("n_drafted"), n_accepted=st.get("n_accepted"))
+                      n_drafted=st.get("n_drafted"), n_accepted=st.get("n_accepted"),
+                      n_prefill=st.get("n_prefill"), time_prefill_s=st.get("time_prefill_s"))
 
     def close(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -802,7 +819,7 @@ def run_bench(
                                               max_ngram_size=s.ngram_max, n_gpu_layers=s.n_gpu_layers,
                                               n_threads=s.n_threads)
             elif r.method == PEER_SPEC:
-                peers[r] = LlamaCppBinaryPeer(bins["llama-speculative-simple"], PEER_SPEC, s, r.drafter)
+                peers[r] = LlamaCppBinaryPeer(bins["llama-speculative-simple"], PEER_SPEC, s, r.drafter, r.k)
             elif r.method == PEER_COMPLETION:
                 peers[r] = LlamaCppBinaryPeer(bins["llama-completion"], PEER_COMPLETION, s)
         texts = [_prompt_text(first.target, t) for t in tokens] if bins else None
@@ -825,6 +842,8 @@ def run_bench(
                     return peers[r].generate(tokens[i], s)
                 if r.is_peer:
                     return peers[r].generate(texts[i], s)
+                if r.method == "plain":  # a full prefill, measured beside llama.cpp's prompt eval
+                    engine_for(r).reset()
                 return _engine_sample(engine_for(r).generate(tokens[i], config(r, s.max_tokens)))
             except MarsError as exc:
                 raise MarsError(f"{r.label}, prompt {prompts[i].id}: {exc}") from None
@@ -936,7 +955,16 @@ def _aggregate(idx: Sequence[int], smp: Sequence[Sample], plain: Sequence[Sample
         "time_target_s": total("time_target_s"),
         "time_draft_s": total("time_draft_s"),
         "time_verify_s": total("time_verify_s"),
+        "prefill_tokens_per_second": _prefill_rate(sel),
     }
+
+
+def _prefill_rate(sel: Sequence[Sample]) -> float | None:
+    """The target's prompt processing speed over the samples that evaluated a whole
+    prompt (8+ tokens; prefix reuse leaves some with little to evaluate)."""
+    full = [x for x in sel if x.n_prefill is not None and x.n_prefill >= 8 and x.time_prefill_s]
+    t = sum(x.time_prefill_s for x in full)
+    return sum(x.n_prefill for x in full) / t if full and t > 0 else None
 
 
 def summarize(prompts: Sequence[BenchPrompt], runs: Sequence[RunConfig], samples: dict) -> list[dict]:
@@ -976,6 +1004,10 @@ def summarize(prompts: Sequence[BenchPrompt], runs: Sequence[RunConfig], samples
                 o["method"] == "plain" or (o["method"] == row["method"] and o["drafter"] == row["drafter"]
                                            and o["theta"] == row["theta"] and isinstance(o["k"], int)))]
             row["vs_best_fixed"] = _ratio(row["tokens_per_second"], max(fixed))
+    # Every row relative to llama.cpp's best speculative row (over its draft lengths) of the category.
+    for row in rows:
+        spec = [o["tokens_per_second"] for o in rows if o["category"] == row["category"] and o["method"] == PEER_SPEC]
+        row["vs_llama_spec"] = _ratio(row["tokens_per_second"], max(spec)) if spec else None
     return rows
 
 
@@ -996,6 +1028,16 @@ def rows_by_configuration(rows: Sequence[dict]) -> dict[str, dict[str, dict]]:
     return by
 
 
+def time_split(r: dict) -> str:
+    """'target/draft/verify/other' shares of a row's decode time (other: the loop itself)."""
+    d = r.get("time_decode_s") or 0.0
+    if r.get("time_target_s") is None or d <= 0:
+        return "–"
+    parts = [r["time_target_s"], r["time_draft_s"], r["time_verify_s"]]
+    parts.append(max(d - sum(parts), 0.0))
+    return "/".join(f"{x / d:.0%}" for x in parts)
+
+
 def render_tables(result_or_rows, title: str = ""):
     """Rich renderables: the overall table and a per-category speedup/quality table."""
     from rich.table import Table
@@ -1006,20 +1048,19 @@ def render_tables(result_or_rows, title: str = ""):
     for col, just in [
         ("method", "left"), ("drafter", "left"), ("θ", "right"), ("k", "right"), ("tok/s", "right"),
         ("speedup", "right"), ("accept", "right"), ("τ", "right"), ("relaxed", "right"), ("agree", "right"),
-        ("quality", "right"), ("NLL ratio", "right"), ("vs best k", "right"), ("target/draft/verify", "right"),
+        ("quality", "right"), ("NLL ratio", "right"), ("vs best k", "right"), ("vs llama.cpp spec", "right"),
+        ("target/draft/verify/other", "right"), ("prefill tok/s", "right"),
     ]:
         t.add_column(col, justify=just, no_wrap=True)
     for r in overall:
-        split = "–"
-        if r["time_target_s"] is not None and r["time_decode_s"] > 0:
-            d = r["time_decode_s"]
-            split = f"{r['time_target_s'] / d:.0%}/{r['time_draft_s'] / d:.0%}/{r['time_verify_s'] / d:.0%}"
+        split = time_split(r)
         t.add_row(
             r["method"], r["drafter"], _fmt(r["theta"], "g"), str(r["k"]), f"{r['tokens_per_second']:.1f}",
             _fmt(r["speedup_vs_plain"], ".2f") + ("×" if r["speedup_vs_plain"] is not None else ""),
             _fmt(r["acceptance_rate"], ".0%"), _fmt(r["mean_accepted_length"], ".2f"), _fmt(r["relaxed_share"], ".0%"),
             _fmt(r["token_agreement"], ".0%"), _fmt(r["quality_recovery"], ".3f"), _fmt(r["nll_ratio"], ".3f"),
-            _fmt(r.get("vs_best_fixed"), ".2f"), split,
+            _fmt(r.get("vs_best_fixed"), ".2f"), _fmt(r.get("vs_llama_spec"), ".2f"), split,
+            _fmt(r.get("prefill_tokens_per_second"), ".1f"),
         )
     cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "all"]
     per = Table(title="speedup × / quality recovery, per category", title_justify="left", header_style="bold")

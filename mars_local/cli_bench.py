@@ -38,16 +38,16 @@ def parse_thetas(value: str) -> tuple[float, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def parse_ks(value: str) -> tuple[int, ...]:
+def parse_ks(value: str, flag: str = "--fixed-k") -> tuple[int, ...]:
     """'1,2,4' -> (1, 2, 4): draft lengths of the fixed-k runs."""
     out = []
     for part in _split(value):
         try:
             out.append(int(part))
         except ValueError:
-            raise MarsError(f"--fixed-k: {part!r} is not a whole number") from None
+            raise MarsError(f"{flag}: {part!r} is not a whole number") from None
     if not out:
-        raise MarsError("--fixed-k needs at least one draft length, e.g. 1,2,4")
+        raise MarsError(f"{flag} needs at least one draft length, e.g. 1,2,4")
     return tuple(dict.fromkeys(out))
 
 
@@ -119,6 +119,13 @@ def bench(
     ngld: Optional[str] = opt.NGLD,
     threads: Optional[int] = opt.THREADS,
     quick: bool = typer.Option(False, "--quick", help="Smoke run: 1 prompt per category, 16 tokens, one θ."),
+    per_category: Optional[int] = typer.Option(
+        None, "--per-category", metavar="N", help="Use only the first N prompts of each category."
+    ),
+    peer_k: Optional[str] = typer.Option(
+        None, "--peer-k", metavar="K1,K2,...",
+        help="Draft lengths of llama.cpp's llama-speculative-simple runs (default: --draft-max); its best is the reference.",
+    ),
     peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run llama-cpp-python's prompt-lookup decoding."),
     llama_cpp_bin: Optional[Path] = typer.Option(
         None, "--llama-cpp-bin", help="Folder with llama.cpp's llama-speculative-simple and llama-completion."
@@ -135,6 +142,10 @@ def bench(
     cats = _split(categories)
     prompt_list = B.load_prompts(prompts, cats or None)
     target, draft, drafters, label, pair_theta, pair_k = resolve_bench_models(pair, model, model_draft, drafter)
+    if per_category is not None:
+        if per_category < 1:
+            raise MarsError(f"--per-category must be >= 1, got {per_category}")
+        prompt_list = B.quick_subset(prompt_list, per_category)
     if quick:
         prompt_list = B.quick_subset(prompt_list, 1)
         n_predict = min(n_predict, 16)
@@ -148,6 +159,7 @@ def bench(
         temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_ctx=ctx_size,
         n_gpu_layers=opt.gpu_layers(ngl, "-ngl"), n_gpu_layers_draft=opt.gpu_layers(ngld, "-ngld"), n_threads=threads,
         peers=peers, llama_cpp_bin=llama_cpp_bin, label=label,
+        peer_ks=parse_ks(peer_k, "--peer-k") if peer_k is not None else None,
     )
     settings.validate()
     if temp > 0 and seed < 0:

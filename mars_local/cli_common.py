@@ -160,7 +160,8 @@ def format_stats(s, choice: ModelChoice) -> str:
         f"prompt eval count:    {s.n_prompt} token(s) ({s.n_prompt_evaluated} evaluated, rest reused from cache)",
         f"prompt eval duration: {s.time_prompt_s * 1000:.1f} ms",
         f"eval count:           {s.n_generated} token(s)",
-        f"eval duration:        {(s.time_total_s - s.time_prompt_s) * 1000:.1f} ms",
+        f"eval duration:        {s.time_decode_s * 1000:.1f} ms"
+        + (f" (+ {s.time_calibrate_s * 1000:.0f} ms timing verify windows once)" if s.time_calibrate_s else ""),
         f"eval rate:            {s.tokens_per_second:.2f} tokens/s",
         f"target forwards:      {s.n_rounds}",
         f"drafted / accepted:   {s.n_drafted} / {s.n_accepted} "

@@ -107,6 +107,10 @@ def doctor_report() -> dict:
     except ImportError:
         native_ok = False
     _, rows = registry_rows()
+    from .learned import default_store
+
+    store = default_store()
+    entries = store.entries()
     return {
         "mars_local": __version__,
         "llama_cpp_python": info["llama_cpp_python"],
@@ -118,12 +122,46 @@ def doctor_report() -> dict:
         "models": {
             r["name"]: all(p["present"] for p in [r["target"]] + ([r["draft"]] if r["draft"] else [])) for r in rows
         },
+        "learned": {
+            "path": str(store.path),
+            "problem": store.problem,
+            "entries": {k: _learned_summary(v) for k, v in entries.items()},
+        },
     }
 
 
+def _learned_summary(v: dict) -> str:
+    """One line about one learned-state entry."""
+    if "time" in v:
+        sizes = sorted(int(w) for w in v["time"])
+        t1 = v["time"].get("1")
+        one = f", 1 row {1e3 * t1[0] / t1[1]:.1f} ms" if t1 and t1[1] else ""
+        return f"verify-window costs for {len(sizes)} window sizes{one}"
+    if "draft" in v:
+        t, n = v["draft"]
+        return f"draft cost {1e3 * t / n:.1f} ms/token" if n else "draft cost (none yet)"
+    if "counts" in v:
+        pool = next((c for c in v["counts"] if c[0] == "__pooled__"), None)
+        acc = f", pooled acceptance {pool[1] / (pool[1] + pool[2]):.0%}" if pool and pool[1] + pool[2] else ""
+        return f"acceptance for {len(v['counts'])} keys{acc}"
+    return "unknown entry"
+
+
 @app.command()
-def doctor(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")) -> None:
-    """What this installation can do: llama.cpp build, backend, GPU offload, hot path, models."""
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    reset_learned: bool = typer.Option(
+        False, "--reset-learned", help="Forget what the adaptive draft length learned (window costs, acceptance)."
+    ),
+) -> None:
+    """What this installation can do: llama.cpp build, backend, GPU offload, hot path, models, learned state."""
+    if reset_learned:
+        from .learned import default_store
+
+        store = default_store()
+        n = store.clear()
+        echo(f"forgot {n} learned-state entr{'y' if n == 1 else 'ies'} ({store.path})")
+        return
     rep = doctor_report()
     if as_json:
         echo(json.dumps(rep, indent=2))
@@ -137,5 +175,9 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print one JSON ob
         f"native hot path:      {'yes' if rep['native_hot_path'] else 'no (verification runs in numpy)'}",
         f"models on this disk:  {', '.join(avail) if avail else 'none (mars pull NAME)'}",
         f"system:               {rep['system_info']}",
+        f"learned state:        {len(rep['learned']['entries'])} entr{'y' if len(rep['learned']['entries']) == 1 else 'ies'}"
+        f" in {rep['learned']['path']}" + (f" ({rep['learned']['problem']})" if rep["learned"]["problem"] else "")
+        + " (mars doctor --reset-learned forgets it)",
     ]
+    lines += [f"  {k.split('|')[0]:<8} {k.split('|')[1]}: {v}" for k, v in rep["learned"]["entries"].items()]
     echo("\n".join(lines))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .adaptive import confidence_key
 from .errors import MarsError
 from .sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
 
@@ -151,7 +152,10 @@ class ModelDrafter(Drafter):
         self._base = 0
         return self.ctx.sync(tokens[:-1])
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def propose(self, tokens: list[int], k: int, extend=None) -> Draft:
+        """Up to ``k`` draft tokens.  With ``extend`` (the adaptive controller's
+        :meth:`~mars_local.adaptive.AdaptiveK.extend`), each token gets a
+        confidence key and drafting stops as soon as ``extend(keys)`` is false."""
         ctx = self.ctx
         self._base = ctx.n_past
         if k <= 0:
@@ -163,8 +167,10 @@ class ModelDrafter(Drafter):
         sampled = self.sampling == "sample" and not self.params.greedy
         out: list[int] = []
         probs = []
+        keys: list[str] | None = [] if extend is not None else None
         while True:
-            if self.p_min > 0.0 and top_probability(row) < self.p_min:
+            p_top = top_probability(row) if (self.p_min > 0.0 or keys is not None) else 1.0
+            if p_top < self.p_min:
                 break
             if sampled:  # the draw for a position is keyed by (seed, position)
                 q = probabilities(row, self.params)
@@ -173,12 +179,14 @@ class ModelDrafter(Drafter):
             else:
                 tok = int(row.argmax())
             out.append(tok)
-            if len(out) >= k:
+            if keys is not None:
+                keys.append(confidence_key(p_top))
+            if len(out) >= k or (extend is not None and not extend(keys)):
                 break
             row = ctx.eval([tok], 1)[0]
         if len(out) < max(self.n_min, 1):
             return EMPTY_DRAFT
-        return Draft(out, np.stack(probs) if sampled else None)
+        return Draft(out, np.stack(probs) if sampled else None, keys)
 
     def observe(self, tokens: list[int], n_accepted: int) -> None:
         ctx = self.ctx

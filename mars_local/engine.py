@@ -22,7 +22,8 @@ from . import native
 from .adaptive import AdaptiveK
 from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter
 from .errors import MarsError
-from .runtime import Context, Model, check_vocab_compatible
+from .learned import LearnedStore, default_store, file_fingerprint
+from .runtime import Context, Model, build_fingerprint, check_vocab_compatible
 from .sampling import SamplingParams, position_uniforms
 from .stats import SpecStats
 from .verify import VerifyConfig, verify
@@ -30,6 +31,7 @@ from .verify import VerifyConfig, verify
 __all__ = ["Engine", "GenerateConfig", "Generation", "Chunk"]
 
 DRAFTERS = ("model", "ngram", "none")
+MAX_DRAFT = 63  # patches/0003: batches of up to 64 rows use the kernels of a 1-row decode
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,11 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise MarsError(f"the number of tokens to generate must be >= 1, got {self.max_tokens}")
-        if self.draft_max < 0:
-            raise MarsError(f"draft-max must be >= 0, got {self.draft_max}")
+        if not 0 <= self.draft_max <= MAX_DRAFT:
+            raise MarsError(
+                f"draft-max must be in 0..{MAX_DRAFT} (verify windows of up to {MAX_DRAFT + 1} rows are "
+                f"computed exactly like single tokens), got {self.draft_max}"
+            )
         if self.draft_min < 0 or self.draft_min > max(self.draft_max, 0):
             raise MarsError(f"draft-min must be in [0, draft-max={self.draft_max}], got {self.draft_min}")
         if not (0.0 <= self.draft_p_min <= 1.0):
@@ -121,6 +126,7 @@ class Engine:
         flash_attn: bool | None = None,
         kv_type: str = "f16",
         exact_kernels: bool = True,
+        learned: bool | LearnedStore = True,
     ):
         if drafter is None:
             drafter = "model" if draft else "none"
@@ -151,6 +157,17 @@ class Engine:
         self._adaptive: dict[tuple, AdaptiveK] = {}  # one per acceptance regime
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
+        # What the adaptive controller learns is kept between processes
+        # (mars_local.learned), keyed by what it depends on.
+        self._store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
+        build = build_fingerprint()
+        device = f"t{self.ctx.n_threads}|{kv_type}|fa{flash_attn}"
+        self._learned_keys = {
+            "costs": f"costs|{file_fingerprint(target)}|{build}|{device}|ngl{n_gpu_layers}",
+            "draft": f"draft|{file_fingerprint(draft)}|{build}|{device}|ngl{n_gpu_layers_draft}" if draft else None,
+            "drafter": file_fingerprint(draft) if draft else f"{drafter}{ngram_max}-{ngram_min}",
+            "target": file_fingerprint(target),
+        }
 
     # ------------------------------------------------------------ helpers
     @property
@@ -261,17 +278,64 @@ class Engine:
             ctrl = AdaptiveK(k_max=cfg.draft_max, gpu=self.target.offloaded)
             if first is not None:
                 ctrl.share_costs(first)
+            elif self._store is not None:
+                for part in ("costs", "draft"):
+                    key = self._learned_keys[part]
+                    if key and self._store.get(key):
+                        ctrl.import_state(self._store.get(key))
+            if self._store is not None:
+                ctrl.import_state(self._store.get(self._accept_key(regime)) or {})
             self._adaptive[regime] = ctrl
         ctrl.k_max = cfg.draft_max
         return ctrl
+
+    def _accept_key(self, regime: tuple) -> str:
+        k = self._learned_keys
+        return f"accept|{k['target']}|{k['drafter']}|{'/'.join(str(x) for x in regime)}"
+
+    def _save_learned(self) -> None:
+        if self._store is None or not self._adaptive:
+            return
+        for regime, ctrl in self._adaptive.items():
+            st = ctrl.export_state()
+            self._store.put(self._accept_key(regime), {"counts": st["counts"]})
+            self._store.put(self._learned_keys["costs"], {"time": st["time"]})
+            if self._learned_keys["draft"]:
+                self._store.put(self._learned_keys["draft"], {"draft": st["draft"]})
+        self._store.save()
+
+    def _calibrate(self, ctrl: AdaptiveK, last: int) -> float:
+        """Time verify windows of a few sizes once (on top of the prompt, then
+        rolled back) when the controller has no measured window costs: a
+        controller that starts from priors spends a short answer finding them.
+        Returns the seconds spent."""
+        tgt = self.ctx
+        if ctrl.target_cost(1) is not None and len(ctrl._time) >= 3:
+            return 0.0
+        clock = time.perf_counter
+        t_start = clock()
+        base = tgt.n_past
+        sizes = [w for w in (1, 2, 3, 5, 9, 17) if w <= ctrl.k_max + 1] + [ctrl.k_max + 1]
+        for w in sorted(set(sizes)):
+            if base + w >= tgt.n_ctx:
+                break
+            for _ in range(2):  # the first forward of a new size builds its graph and is not timed
+                t0 = clock()
+                tgt.eval([last] * w, n_out=w)
+                ctrl.observe_forward(w, clock() - t0)
+                tgt.truncate(base)
+        return clock() - t_start
 
     def _run(self, tokens, cfg, vcfg, seed, drafter, stats, ctrl) -> Iterator[Chunk]:
         clock = time.perf_counter
         t_start = clock()
         tgt = self.ctx
         stats.n_prompt_evaluated = tgt.sync(tokens[:-1])
+        stats.time_prompt_target_s = clock() - t_start
         drafter.begin(tokens)
         stats.time_prompt_s = clock() - t_start
+        if ctrl is not None:
+            stats.time_calibrate_s = self._calibrate(ctrl, tokens[-1])
 
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         piece = self.target.piece
@@ -295,7 +359,7 @@ class Engine:
                 k_cap = min(cfg.draft_max, remaining - 1, room)
 
                 t0 = clock()
-                shadow = None
+                shadow, drafted = None, None
                 if ctrl is None:
                     draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
                 elif cheap:
@@ -306,9 +370,18 @@ class Engine:
                     draft = Draft(full.tokens[:k], keys=full.keys[:k]) if k else EMPTY_DRAFT
                     if not k and full.tokens:
                         shadow = full  # its first token is compared with the target's, for free
+                elif ctrl.choose(k_cap) > 0:
+                    # A draft model drafts token by token until the controller,
+                    # seeing each token's confidence, says more would not pay;
+                    # trailing drafts not worth their verify rows are cut.
+                    full = drafter.propose(tokens, k_cap, extend=lambda keys: ctrl.extend(keys, k_cap))
+                    drafted = len(full)
+                    m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
+                    draft = full if m == drafted else Draft(
+                        full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]
+                    )
                 else:
-                    k = ctrl.choose(k_cap)
-                    draft = drafter.propose(tokens, k) if k > 0 else EMPTY_DRAFT
+                    draft = EMPTY_DRAFT
                 if len(draft) < cfg.draft_min:
                     draft = EMPTY_DRAFT
                 t1 = clock()
@@ -328,7 +401,8 @@ class Engine:
                 stats.time_target_s += t2 - t1
                 stats.time_verify_s += t3 - t2
                 if ctrl is not None:
-                    ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3), draft.keys)
+                    ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3), draft.keys,
+                                 drafted=0 if cheap else (drafted or 0))
                     if shadow is not None:
                         ctrl.observe_shadow(shadow.tokens[0] == new[0], shadow.keys[0])
 
@@ -351,6 +425,8 @@ class Engine:
                 yield Chunk([], tail, [])
         finally:
             stats.time_total_s = clock() - t_start
+            if ctrl is not None:
+                self._save_learned()
 
     def generate(
         self,
@@ -370,6 +446,12 @@ class Engine:
             if on_chunk is not None:
                 on_chunk(chunk)
         return Generation("".join(text), toks, kinds, self.last_stats)
+
+    def reset(self) -> None:
+        """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""
+        for ctx in (self.ctx, self.draft_ctx):
+            if ctx is not None:
+                ctx.truncate(0)
 
     def close(self) -> None:
         for obj in (self.draft_ctx, self.ctx, self.draft_model, self.target):

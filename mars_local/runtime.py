@@ -26,7 +26,10 @@ except Exception as exc:  # pragma: no cover
         "mars-local needs llama-cpp-python 0.3.36; run `make install` (it builds the patched sdist)"
     ) from exc
 
-__all__ = ["Model", "Context", "ModelInfo", "check_vocab_compatible", "backend_info", "set_verbose"]
+__all__ = [
+    "Model", "Context", "ModelInfo", "check_vocab_compatible", "backend_info", "set_verbose", "batch_invariance",
+    "build_fingerprint",
+]
 
 LLAMA_CPP_PYTHON_VERSION = getattr(_llama_pkg, "__version__", "unknown")
 
@@ -82,6 +85,27 @@ def backend_info() -> dict:
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
         "system_info": info.strip(),
     }
+
+
+_build_fp: str | None = None
+
+
+def build_fingerprint() -> str:
+    """Identifies this llama.cpp build (version, CPU features, library file): what a
+    forward's speed depends on besides the model, threads and offload."""
+    global _build_fp
+    if _build_fp is None:
+        import hashlib
+
+        parts = [LLAMA_CPP_PYTHON_VERSION, C.llama_print_system_info().decode("utf-8", "replace")]
+        lib = getattr(getattr(C, "_lib", None), "_name", None)
+        try:
+            st = os.stat(lib)
+            parts.append(f"{lib}|{st.st_size}|{st.st_mtime_ns}")
+        except (OSError, TypeError):
+            pass
+        _build_fp = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
+    return _build_fp
 
 
 def default_threads() -> int:
@@ -403,3 +427,42 @@ class Context:
             self.close()
         except Exception:
             pass
+
+
+def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48, exact_kernels: bool = True,
+                     n_threads: int | None = None, prompt: str = "The history of the printing press begins"
+                     ) -> dict[int, tuple[int, float]]:
+    """Does a position's logits row depend on how many rows its forward had?
+
+    Strict greedy speculative output equals plain greedy output token for token
+    only if it does not: plain decoding computes every position in a 1-row
+    forward, speculation in (k+1)-row verify windows.  Decodes ``n`` tokens
+    plainly, re-evaluates the same tokens in windows of each size, and returns
+    {window: (rows that differ bit for bit, largest absolute difference)}.
+    """
+    m = Model(path, 0, exact_kernels=exact_kernels)
+    ctx = Context(m, n_ctx=max(256, n + 64), n_threads=n_threads)
+    try:
+        toks = m.tokenize(prompt)
+        ctx.sync(toks[:-1])
+        base = ctx.n_past
+        seq, plain = [toks[-1]], []
+        for _ in range(n):  # plain greedy: one row per forward
+            row = ctx.eval([seq[-1]], 1)[0]
+            plain.append(row.copy())
+            seq.append(int(row.argmax()))
+        out = {}
+        for w in windows:
+            ctx.truncate(base)
+            differ, worst = 0, 0.0
+            for s in range(0, n - w + 1, w):
+                rows = ctx.eval(seq[s : s + w], w)
+                for i in range(w):
+                    if not np.array_equal(rows[i], plain[s + i]):
+                        differ += 1
+                        worst = max(worst, float(np.max(np.abs(rows[i] - plain[s + i]))))
+            out[w] = (differ, worst)
+        return out
+    finally:
+        ctx.close()
+        m.close()

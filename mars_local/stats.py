@@ -27,11 +27,17 @@ class SpecStats:
                          when adaptive is on).
     time_target_s        target forwards (verify windows; prompt excluded).
     time_prompt_s        prompt evaluation (target and draft).
+    time_prompt_target_s the target's share of it (compare with llama.cpp's
+                         "prompt eval time").
+    time_calibrate_s     timing the target's verify windows once, when the
+                         adaptive controller had no measured costs yet (then
+                         kept in the learned-state cache; usually 0).
     time_draft_s         drafting (draft-model forwards or n-gram lookups).
     time_verify_s        the verification rule itself.
     time_total_s         wall time of the whole generation.
-    tokens_per_second    n_generated / (time_total_s - time_prompt_s).
-    verify_share         time_verify_s / (time_total_s - time_prompt_s).
+    time_decode_s        time_total_s - time_prompt_s - time_calibrate_s.
+    tokens_per_second    n_generated / time_decode_s.
+    verify_share         time_verify_s / time_decode_s.
     stop_reason          "eog", "length" (max tokens) or "context" (full).
     """
 
@@ -47,6 +53,8 @@ class SpecStats:
     k_per_round: list[int] = field(default_factory=list)
     time_target_s: float = 0.0
     time_prompt_s: float = 0.0
+    time_prompt_target_s: float = 0.0
+    time_calibrate_s: float = 0.0
     time_draft_s: float = 0.0
     time_verify_s: float = 0.0
     time_total_s: float = 0.0
@@ -72,14 +80,18 @@ class SpecStats:
         return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
 
     @property
+    def time_decode_s(self) -> float:
+        return max(self.time_total_s - self.time_prompt_s - self.time_calibrate_s, 0.0)
+
+    @property
     def verify_share(self) -> float:
         """Share of the decode wall time spent in the verification rule."""
-        t = self.time_total_s - self.time_prompt_s
+        t = self.time_decode_s
         return self.time_verify_s / t if t > 0 else 0.0
 
     @property
     def tokens_per_second(self) -> float:
-        t = self.time_total_s - self.time_prompt_s
+        t = self.time_decode_s
         return self.n_generated / t if t > 0 else 0.0
 
     def record_round(self, k: int, n_accepted: int, n_relaxed: int, n_new: int) -> None:
@@ -116,6 +128,9 @@ class SpecStats:
             "k_per_round": list(self.k_per_round),
             "time_target_s": self.time_target_s,
             "time_prompt_s": self.time_prompt_s,
+            "time_prompt_target_s": self.time_prompt_target_s,
+            "time_calibrate_s": self.time_calibrate_s,
+            "time_decode_s": self.time_decode_s,
             "time_draft_s": self.time_draft_s,
             "time_verify_s": self.time_verify_s,
             "time_total_s": self.time_total_s,

@@ -19,12 +19,18 @@ PY="$VENV/bin/python"
 
 # Build options: ours first, then the user's CMAKE_ARGS (later -D wins), so
 # CMAKE_ARGS="-DGGML_CUDA=on" or "-DGGML_METAL=on" select a GPU backend.
-# GGML_LLAMAFILE=OFF: llamafile's sgemm serves batches of 2+ rows with another
-# summation order than the single-row kernels, so a verify window's logits
-# would differ from plain decoding's in the last bits and near-ties could flip;
-# without it the CPU kernels are batch-invariant and strict greedy speculative
-# output equals plain greedy output token for token.
-DEFAULT_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_LLAMAFILE=OFF"
+# Batch invariance (strict greedy speculative output == plain greedy output
+# token for token) needs a 1-row decode and a (k+1)-row verify window to sum
+# in the same order.  Stock llama.cpp serves batches of 2+ rows with
+# llamafile's sgemm (tinyBLAS) and single rows with ggml's dot kernels, which
+# differ in the last bits.  On x86, patches/0002 routes single rows through
+# tinyBLAS too, so llamafile stays on (fast verify windows and prefill); on
+# other CPUs it is turned off, leaving ggml's dot kernels for every batch size.
+case "$(uname -m)" in
+    x86_64|amd64|i686|i386) LLAMAFILE=ON ;;
+    *) LLAMAFILE=OFF ;;
+esac
+DEFAULT_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DGGML_LLAMAFILE=$LLAMAFILE"
 export CMAKE_ARGS="$DEFAULT_ARGS ${CMAKE_ARGS:-}"
 
 patches=$(ls "$ROOT"/patches/*.patch 2>/dev/null | sort || true)

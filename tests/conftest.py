@@ -13,6 +13,22 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / ".cache" / "test-models"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def learned_state_dir(tmp_path_factory):
+    """The adaptive controller's learned-state cache goes to a temporary folder,
+    never the user's ~/.cache (subprocesses inherit it)."""
+    import os
+
+    old = os.environ.get("MARS_STATE_DIR")
+    path = tmp_path_factory.mktemp("state")
+    os.environ["MARS_STATE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("MARS_STATE_DIR", None)
+    else:
+        os.environ["MARS_STATE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny")

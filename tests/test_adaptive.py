@@ -176,3 +176,77 @@ def test_probes_of_a_cheap_drafter_stop_once_the_window_cost_is_known():
             ctrl.observe_shadow(False, 1)
         ks.append(k)
     assert 0 < sum(1 for k in ks if k) <= 4  # the warm-up forward plus two timed ones, at most one size more
+
+
+def test_confidence_keys_are_ordered_buckets():
+    from mars_local.adaptive import confidence_key
+
+    keys = [confidence_key(p) for p in (0.05, 0.3, 0.5, 0.7, 0.85, 0.92, 0.97, 0.99, 0.999)]
+    assert keys == [f"p{i}" for i in range(9)]
+
+
+def _warm(ctrl, cost):
+    for w in range(1, ctrl.k_max + 2):
+        for _ in range(2):
+            ctrl.observe_forward(w, cost(w))
+
+
+def test_extend_drafts_on_while_confident_and_stops_on_an_unsure_token():
+    """A draft model on a cheap-window target: confident tokens are worth
+    verifying, an unsure one is not, and trim drops it."""
+    ctrl = AdaptiveK(k_max=8, gpu=True)
+    _warm(ctrl, gpu)
+    for _ in range(300):
+        ctrl.observe_shadow(True, key="p8")
+        ctrl.observe_shadow(False, key="p0")
+    ctrl.observe(0, 0, gpu(1), 0.0)
+    assert ctrl.choose(8) > 0
+    assert ctrl.extend(["p8"] * 3, 8)
+    assert not ctrl.extend(["p8"] * 8, 8)  # the cap
+    assert ctrl.trim(["p8", "p8", "p8", "p0"]) == 3
+    # on a CPU-like curve where each row costs much more, a run of unsure tokens stops drafting
+    cpu_ctrl = AdaptiveK(k_max=8)
+    _warm(cpu_ctrl, cpu_measured)
+    cpu_ctrl._counts = {k: list(v) for k, v in ctrl._counts.items()}
+    cpu_ctrl.choose(8)
+    assert not cpu_ctrl.extend(["p0", "p0"], 8)
+    assert cpu_ctrl.trim(["p0", "p0"]) == 0
+
+
+def simulate_confidence(ctrl, cost, rounds=800, seed=0, k_fixed=None, draft_cost=0.0012):
+    """A draft model whose tokens are confident (accepted 95 %) or unsure (30 %);
+    the controller starts as the engine starts it: window costs timed once."""
+    rng = np.random.default_rng(seed)
+    if ctrl is not None:
+        for w in (1, 2, 3, 5, 9):
+            for _ in range(2):
+                ctrl.observe_forward(w, cost(w))
+    tokens, elapsed = 0, 0.0
+    for _ in range(rounds):
+        conf = ["p8" if rng.random() < 0.75 else "p1" for _ in range(8)]
+        acc = [rng.random() < (0.95 if c == "p8" else 0.3) for c in conf]
+        if k_fixed is not None:
+            k, drafted = k_fixed, k_fixed
+        elif ctrl.choose(8) > 0:
+            drafted = 1
+            while drafted < 8 and ctrl.extend(conf[:drafted], 8):
+                drafted += 1
+            k = ctrl.trim(conf[:drafted])
+        else:
+            k = drafted = 0
+        m = 0
+        while m < k and acc[m]:
+            m += 1
+        t = cost(k + 1) * rng.uniform(0.97, 1.03)
+        if ctrl is not None and k_fixed is None:
+            ctrl.observe(k, m, t, draft_cost * drafted, conf[:k], drafted=drafted)
+        tokens += m + 1
+        elapsed += t + draft_cost * drafted
+    return tokens / elapsed
+
+
+@pytest.mark.parametrize("cost", [gpu, cpu_measured, lambda w: 0.125 * (1 + 0.2 * (w - 1))])
+def test_confidence_stopping_beats_every_fixed_k(cost):
+    best = max(simulate_confidence(None, cost, k_fixed=k) for k in range(0, 9))
+    rate = simulate_confidence(AdaptiveK(k_max=8, gpu=cost is gpu), cost)
+    assert rate >= 0.97 * best

@@ -319,3 +319,27 @@ def test_doctor_json():
     assert rep["models"]["smollm2-135m"] is True
     text = invoke("doctor")
     assert text.exit_code == 0 and "backend:" in text.stdout
+
+
+def test_learned_state_persists_shows_in_doctor_and_resets(tiny_target, tiny_draft, tmp_path):
+    """A second process starts from what the first learned (no re-timing of
+    verify windows); doctor lists it; --reset-learned forgets it."""
+    env = {"MARS_STATE_DIR": str(tmp_path / "state")}
+    args = ("run", "hello world", "-m", tiny_target, "-md", tiny_draft, "-n", "24", "--json", "--verify", "strict")
+    first = mars(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["stats"]["time_calibrate_s"] > 0
+    assert (tmp_path / "state" / "learned.json").exists()
+    second = mars(*args, env=env)
+    assert second.returncode == 0, second.stderr
+    assert json.loads(second.stdout)["stats"]["time_calibrate_s"] == 0  # started informed
+    doc = mars("doctor", "--json", env=env)
+    entries = json.loads(doc.stdout)["learned"]["entries"]
+    kinds = {k.split("|")[0] for k in entries}
+    assert {"costs", "draft", "accept"} <= kinds
+    assert any(v.startswith("verify-window costs") for v in entries.values())
+    reset = mars("doctor", "--reset-learned", env=env)
+    assert reset.returncode == 0 and "forgot" in reset.stdout
+    assert not (tmp_path / "state" / "learned.json").exists()
+    third = mars(*args, env=env)
+    assert json.loads(third.stdout)["stats"]["time_calibrate_s"] > 0

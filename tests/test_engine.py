@@ -78,9 +78,9 @@ def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, ngram, 
         calls.append((list(keys) if keys is not None else None, k))
         return k
 
-    def observe(self, k, n_accepted, t_target, t_draft, keys=None):
+    def observe(self, k, n_accepted, t_target, t_draft, keys=None, **kw):
         observed.append((k, keys))
-        return real_observe(self, k, n_accepted, t_target, t_draft, keys)
+        return real_observe(self, k, n_accepted, t_target, t_draft, keys, **kw)
 
     monkeypatch.setattr(AdaptiveK, "choose", choose)
     monkeypatch.setattr(AdaptiveK, "observe", observe)
@@ -334,3 +334,31 @@ def test_ngram_index_equals_a_full_scan(vocab, lo, extra, steps, prompt):
         n, want = scan_lookup(toks, k, hi, lo)
         assert got.tokens == want
         assert (got.keys or []) == [min(n + i, hi + 2) for i in range(len(want))]
+
+
+def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(plain, spec, monkeypatch):
+    """With adaptive k a draft model drafts token by token, each token keyed by
+    its confidence bucket; the controller's extend() decides when to stop and
+    trim() how many to verify.  Output is still plain greedy output."""
+    from mars_local.adaptive import AdaptiveK
+
+    seen_keys, trims = [], []
+
+    def extend(self, keys, k_limit=None):
+        seen_keys.append(list(keys))
+        return len(keys) < 3  # draft exactly 3 tokens
+
+    def trim(self, keys):
+        trims.append(list(keys))
+        return 2  # verify 2 of them
+
+    monkeypatch.setattr(AdaptiveK, "extend", extend)
+    monkeypatch.setattr(AdaptiveK, "trim", trim)
+    monkeypatch.setattr(AdaptiveK, "choose", lambda self, k_limit=None, keys=None: 1)
+    for prompt in PROMPTS[:3]:
+        ref = plain.generate(prompt, max_tokens=30, verify="strict")
+        out = spec.generate(prompt, max_tokens=30, verify="strict", draft_max=6)
+        assert out.tokens == ref.tokens
+        assert set(out.stats.k_per_round) <= {0, 1, 2} and 2 in out.stats.k_per_round
+    assert seen_keys and all(k and all(x.startswith("p") for x in k) for k in seen_keys)
+    assert all(len(t) == 3 for t in trims if len(t) >= 3)

@@ -88,3 +88,33 @@ def test_chat_prompt_and_stop_on_end_of_turn(q41):
     out = q41.generate(prompt, max_tokens=128)
     assert out.stats.stop_reason == "eog"
     assert out.text.strip() and "<|im_end|>" not in out.text
+
+
+@pytest.fixture(scope="module")
+def smollm2_q8(smollm2_f16):
+    from conftest import requantize
+
+    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q8_0.gguf", "LLAMA_FTYPE_MOSTLY_Q8_0")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_f16", "smollm2_q8", "smollm2_q4km"])
+def test_verify_windows_are_batch_invariant(which, request):
+    """The kernel-level condition for lossless speculation: a row computed in a
+    window of w rows (up to 17, across llama.cpp's 8-row switch to its tiled
+    K-quant kernel) is bit-identical to the same row computed alone.  Q4_K_M
+    mixes Q5_0/Q8_0 (llamafile's tinyBLAS) with Q4_K/Q6_K (vec_dot/tiled)."""
+    from mars_local.runtime import batch_invariance
+
+    res = batch_invariance(request.getfixturevalue(which), windows=(2, 4, 8, 9, 17), n=34, n_threads=2)
+    assert {w: d for w, (d, _) in res.items()} == {w: 0 for w in res}, res
+
+
+def test_k_quant_long_windows_strict_equals_plain(smollm2_q4km, smollm2):
+    """Windows of 8+ rows (k >= 7) on a K-quant target: stock llama.cpp switches
+    to another kernel there; strict output still equals plain output."""
+    with Engine(smollm2_q4km, n_ctx=512) as plain, Engine(smollm2_q4km, smollm2, n_ctx=512) as pair:
+        for prompt in PROMPTS:
+            ref = plain.generate(prompt, max_tokens=N)
+            out = pair.generate(prompt, max_tokens=N, verify="strict", draft_max=12, adaptive=False)
+            assert out.tokens == ref.tokens, prompt
+            assert max(out.stats.k_per_round) == 12

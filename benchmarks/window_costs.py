@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""Where a speculative round's milliseconds go: forward cost per window size, and prefill speed.
+
+    .venv/bin/python benchmarks/window_costs.py TARGET.gguf [-md DRAFT.gguf] [-t 2] [--windows 1,2,3,5,9,17]
+
+For the target (and the draft, if given) it times a forward of w rows on top
+of a 256-token context (half the prompt if shorter), the median of --reps forwards per size (the first of
+each size, when llama.cpp builds the graph, is not counted), and prefill of a
+--prompt-len token prompt in n_batch chunks.  Prints milliseconds and each
+size's cost relative to one row: the curve the adaptive controller learns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def forward_costs(path: str, windows, reps: int = 5, threads: int | None = 2, exact: bool = True,
+                  prompt_len: int = 481, n_ctx: int = 1024) -> dict:
+    from mars_local.runtime import Context, Model
+
+    m = Model(path, None, exact_kernels=exact)
+    ctx = Context(m, n_ctx=n_ctx, n_threads=threads)
+    try:
+        vocab = m.n_vocab
+        toks = [(i * 7919 + 13) % (vocab - 300) + 200 for i in range(prompt_len)]
+        ctx.sync(toks[:8])  # warm
+        ctx.truncate(0)
+        t0 = time.perf_counter()
+        ctx.sync(toks)
+        prefill = prompt_len / (time.perf_counter() - t0)
+        base = min(256, prompt_len // 2)
+        ctx.truncate(base)
+        out = {}
+        for w in windows:
+            ts = []
+            for r in range(reps + 1):
+                t0 = time.perf_counter()
+                ctx.eval(toks[:w], w)
+                dt = time.perf_counter() - t0
+                ctx.truncate(base)
+                if r:
+                    ts.append(dt)
+            out[w] = statistics.median(ts)
+        return {"prefill_tok_s": prefill, "forward_s": out}
+    finally:
+        ctx.close()
+        m.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("target")
+    ap.add_argument("-md", "--model-draft", default=None)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--windows", default="1,2,3,5,9,17")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--prompt-len", type=int, default=481)
+    ap.add_argument("--fast-kernels", action="store_true", help="load the target with weight repacking on")
+    a = ap.parse_args(argv)
+    windows = [int(x) for x in a.windows.split(",")]
+    for label, path, exact in (("target", a.target, not a.fast_kernels), ("draft", a.model_draft, False)):
+        if path is None:
+            continue
+        r = forward_costs(path, windows, a.reps, a.threads, exact, a.prompt_len)
+        one = r["forward_s"][windows[0]]
+        print(f"{label}: {path}")
+        print(f"  prefill {a.prompt_len} tokens: {r['prefill_tok_s']:.1f} tok/s")
+        for w, t in r["forward_s"].items():
+            print(f"  w={w:3d}: {t * 1e3:8.2f} ms  {t / one:5.2f}x w={windows[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
