@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from mars_local.bench import row_label, rows_by_configuration
+from mars_local.bench import row_label, rows_by_configuration, time_split
 
 
 def fmt(v, spec: str, suffix: str = "") -> str:
@@ -32,6 +32,22 @@ def overall(runs: list[dict]) -> list[str]:
             fmt(r["acceptance_rate"], ".0%"), fmt(r["mean_accepted_length"], ".2f"), fmt(r["relaxed_share"], ".0%"),
             fmt(r["token_agreement"], ".0%"), fmt(r["quality_recovery"], ".3f"), fmt(r["nll_ratio"], ".3f"),
             fmt(r.get("vs_best_fixed"), ".2f", "×"),
+        ]) + " |")
+    return out
+
+
+def head_to_head(runs: list[dict]) -> list[str]:
+    """Every configuration against llama.cpp's best speculative row, with the time split and prefill."""
+    cols = ["configuration", "tok/s", "vs llama.cpp spec (best k)", "vs plain", "acceptance", "τ",
+            "target/draft/verify/other", "prefill tok/s"]
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in runs:
+        if r["category"] != "all":
+            continue
+        out.append("| " + " | ".join([
+            row_label(r), f"{r['tokens_per_second']:.2f}", fmt(r.get("vs_llama_spec"), ".2f", "×"),
+            fmt(r["speedup_vs_plain"], ".2f", "×"), fmt(r["acceptance_rate"], ".0%"),
+            fmt(r["mean_accepted_length"], ".2f"), time_split(r), fmt(r.get("prefill_tokens_per_second"), ".1f"),
         ]) + " |")
     return out
 
@@ -66,6 +82,11 @@ def main(argv=None) -> int:
         return 2
     print(f"{meta.get('model', '?')}: {meta.get('n_prompts', '?')} prompts × {meta.get('max_tokens', '?')} tokens, "
           f"T={meta.get('temperature', 0)}, repeats {meta.get('repeats', 1)}, {meta.get('wall_s', '?')} s\n")
+    if any(r.get("vs_llama_spec") is not None for r in runs):
+        print("\n".join(head_to_head(runs)))
+        print("\nTokens/s ÷ llama.cpp's best speculative row, per category:\n")
+        print("\n".join(per_category(runs, "vs_llama_spec", with_quality=False)))
+        print()
     print("\n".join(overall(runs)))
     print("\nSpeedup vs plain per category (/ quality recovery where the category has a metric):\n")
     print("\n".join(per_category(runs)))

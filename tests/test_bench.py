@@ -211,9 +211,11 @@ llama_perf_context_print:        eval time =     630.00 ms /    63 runs   (   10
 
 def test_parse_llama_cpp_stats():
     s = B.parse_llama_cpp_stats(SPEC_OUT)
-    assert s == {"n_generated": 64, "time_decode_s": 0.45, "n_drafted": 40, "n_accepted": 30}
+    # the target's prompt: "encoded" (speculative-simple) wins over the perf print
+    assert s == {"n_generated": 64, "time_decode_s": 0.45, "n_drafted": 40, "n_accepted": 30,
+                 "n_prefill": 25, "time_prefill_s": 0.031}
     c = B.parse_llama_cpp_stats(COMPLETION_OUT)
-    assert c == {"n_generated": 63, "time_decode_s": 0.63}
+    assert c == {"n_generated": 63, "time_decode_s": 0.63, "n_prefill": 25, "time_prefill_s": 0.03}
     old = B.parse_llama_cpp_stats("decoded 10 tokens in 0.1 seconds, speed: 100 t/s\nn_drafted = 8\naccept = 50.000%")
     assert old["n_accepted"] == 4
     assert B.parse_llama_cpp_stats("nothing useful") == {}
@@ -377,7 +379,9 @@ n = int(args[args.index("-n") + 1])
 print("generated text")
 if {spec}:
     print("encoded   20 tokens in    0.010 seconds, speed: 2000.000 t/s", file=sys.stderr)
-    print("decoded %4d tokens in    0.500 seconds, speed: %8.3f t/s" % (n, n / 0.5), file=sys.stderr)
+    k = int(args[args.index("--spec-draft-n-max") + 1])
+    secs = 0.25 if k == 2 else 0.5  # k = 2 is this fake's best draft length
+    print("decoded %4d tokens in    %.3f seconds, speed: %8.3f t/s" % (n, secs, n / secs), file=sys.stderr)
     print("n_draft   = 4\nn_predict = %d\nn_drafted = 20\nn_accept  = 15\naccept    = 75.000%%" % n, file=sys.stderr)
 else:
     print("llama_perf_context_print: prompt eval time =  10.00 ms /  20 tokens (0.50 ms per token, 2000.00 tokens per second)", file=sys.stderr)
@@ -418,6 +422,32 @@ def test_llama_cpp_peers_with_a_fake_binary(tiny_target, tmp_path):
     assert spec_call[spec_call.index("--spec-draft-n-max") + 1] == "8"
     comp_call = next(c for c in calls if "--spec-type" not in c)
     assert "-no-cnv" in comp_call and "-f" in comp_call
+
+
+def test_llama_cpp_draft_length_sweep_and_the_best_speculative_row(tiny_target, tmp_path):
+    """--peer-k runs llama-speculative-simple at each k; every row is also given
+    relative to its best one, and prefill speeds sit beside llama.cpp's."""
+    log = _fake_bin(tmp_path / "bin")
+    out = tmp_path / "b.json"
+    r = invoke("bench", "-m", tiny_target, "--categories", "math", "--per-category", "2", "-n", "8", "--no-peers",
+               "--thetas", "0.9", "--peer-k", "2,4", "--llama-cpp-bin", tmp_path / "bin", "--json", out)
+    assert r.exit_code == 0, r.output
+    rows = {(row["method"], row["k"], row["category"]): row for row in json.loads(out.read_text())["runs"]}
+    assert rows[B.PEER_SPEC, 2, "all"]["n_prompts"] == 2
+    assert rows[B.PEER_SPEC, 2, "all"]["vs_llama_spec"] == pytest.approx(1.0)
+    assert rows[B.PEER_SPEC, 4, "all"]["vs_llama_spec"] == pytest.approx(0.5)
+    plain = rows["plain", 0, "all"]
+    assert plain["vs_llama_spec"] == pytest.approx(plain["tokens_per_second"] / 32.0)  # 8 tokens in 0.25 s
+    assert plain["prefill_tokens_per_second"] > 0  # the plain engine prefills whole prompts
+    assert rows[B.PEER_COMPLETION, 0, "all"]["prefill_tokens_per_second"] == pytest.approx(2000.0)
+    assert rows[B.PEER_SPEC, 4, "all"]["prefill_tokens_per_second"] == pytest.approx(2000.0)
+    ks = sorted(c.split()[c.split().index("--spec-draft-n-max") + 1] for c in log.read_text().splitlines()
+                if "--spec-type" in c)
+    assert ks == ["2", "2", "4", "4"]
+    bad = invoke("bench", "-m", tiny_target, "--peer-k", "0,4", "--llama-cpp-bin", tmp_path / "bin")
+    assert bad.exit_code == 2 and "1..64" in bad.output
+    bad = invoke("bench", "-m", tiny_target, "--per-category", "0")
+    assert bad.exit_code == 2 and "--per-category" in bad.output
 
 
 def test_llama_cpp_binary_failure_is_one_line(tiny_target, tmp_path):
@@ -518,5 +548,13 @@ def test_report_script_renders_markdown(tmp_path, capsys):
     assert "| mars ngram θ=0.9 k=adaptive | 98.0 | 0.98× | 50% | 1.00 | 10% | 100% | 0.990 | 1.000 | 0.98× |" in out
     assert "| mars ngram θ=0.9 k=adaptive | 0.98 / 0.99 | 0.98 |" in out
     assert "best fixed k in hindsight" in out and "| mars ngram θ=0.9 k=adaptive | 0.98 | 0.98 |" in out
+    assert "llama.cpp spec" not in out  # no llama.cpp rows, no head-to-head table
+    for r in runs:  # with llama.cpp's speculative row: the head-to-head table first
+        r.update(vs_llama_spec=r["tokens_per_second"] / 80.0, time_decode_s=2.0, time_target_s=1.5,
+                 time_draft_s=0.3, time_verify_s=0.1, prefill_tokens_per_second=250.0)
+    f.write_text(json.dumps({"runs": runs, "meta": {"model": "m", "n_prompts": 1, "max_tokens": 8}}))
+    assert report.main([str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "| mars ngram θ=0.9 k=adaptive | 98.00 | 1.23× | 0.98× | 50% | 1.00 | 75%/15%/5%/5% | 250.0 |" in out
     assert report.main([str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.startswith("error:")
