@@ -99,6 +99,7 @@ class AdaptiveK:
     _budget: float = 0.0  # seconds the next probe may cost beyond plain decoding
     _primed: bool = False
     _rate: float = 0.0  # expected tokens/s of the last plan (R in extend/trim)
+    _keep: int = 0  # a probe's length: extend drafts and trim keeps at least this many
     n_probes: int = 0
 
     # ------------------------------------------------------------ estimates
@@ -192,7 +193,7 @@ class AdaptiveK:
         plain = rates[0]
         best = max(rates[1:])
         k = rates.index(best, 1)
-        self._rate = max(best, plain)
+        self._rate, self._keep = max(best, plain), 0
         if best > plain * 1.0001:
             return k
         # Plain decoding looks best.  Probe the most promising window when the
@@ -204,6 +205,7 @@ class AdaptiveK:
         if self._budget >= loss:
             self._budget -= max(loss, 0.0)
             self.n_probes += 1
+            self._keep = k  # a probe is verified whole, or it would teach nothing
             return k
         return 0
 
@@ -227,8 +229,8 @@ class AdaptiveK:
         m = len(keys)
         if m >= k_limit:
             return False
-        if 1 not in self._time or self._rate <= 0.0:
-            return True  # nothing measured yet: draft the planned length
+        if m < self._keep or 1 not in self._time or self._rate <= 0.0:
+            return True  # a probe's length, or nothing measured yet
         g = self._gains(keys, k_limit, self.draft_cost)
         return max(g[m + 1 :]) > g[m]
 
@@ -238,7 +240,7 @@ class AdaptiveK:
         if not keys or 1 not in self._time or self._rate <= 0.0:
             return len(keys)
         g = self._gains(keys, len(keys), 0.0)
-        return max(range(len(g)), key=lambda j: (g[j], j))
+        return max(min(self._keep, len(keys)), max(range(len(g)), key=lambda j: (g[j], j)))
 
     def share_costs(self, other: "AdaptiveK") -> None:
         """Use (and update) ``other``'s window timings: same target, another acceptance regime."""

@@ -164,7 +164,9 @@ class Engine:
         device = f"t{self.ctx.n_threads}|{kv_type}|fa{flash_attn}"
         self._learned_keys = {
             "costs": f"costs|{file_fingerprint(target)}|{build}|{device}|ngl{n_gpu_layers}",
-            "draft": f"draft|{file_fingerprint(draft)}|{build}|{device}|ngl{n_gpu_layers_draft}" if draft else None,
+            # the draft's speed depends on the target too (they share caches and memory bandwidth)
+            "draft": f"draft|{file_fingerprint(draft)}|{file_fingerprint(target)}|{build}|{device}"
+                     f"|ngl{n_gpu_layers_draft}" if draft else None,
             "drafter": file_fingerprint(draft) if draft else f"{drafter}{ngram_max}-{ngram_min}",
             "target": file_fingerprint(target),
         }

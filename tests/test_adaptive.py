@@ -250,3 +250,31 @@ def test_confidence_stopping_beats_every_fixed_k(cost):
     best = max(simulate_confidence(None, cost, k_fixed=k) for k in range(0, 9))
     rate = simulate_confidence(AdaptiveK(k_max=8, gpu=cost is gpu), cost)
     assert rate >= 0.97 * best
+
+
+def test_a_probe_is_verified_whole_so_acceptance_is_learned():
+    """When plain decoding looks best (pessimistic prior, windows that cost
+    more than their expected tokens) a probe still drafts and verifies its
+    planned length; trim must not throw it away, or acceptance is never seen."""
+    cost = lambda w: 0.085 * (1.0 if w == 1 else 1.5 + 0.35 * (w - 2))  # noqa: E731
+    ctrl = AdaptiveK(k_max=8)
+    for w in (1, 2, 3, 5, 9):
+        for _ in range(2):
+            ctrl.observe_forward(w, cost(w))
+    ctrl._draft_time, ctrl._draft_tokens = 0.012, 1.0
+    ctrl.observe(0, 0, cost(1), 0.0)  # primes the probe budget
+    verified = 0
+    for _ in range(40):
+        k = ctrl.choose(8)
+        if k:
+            drafted = 1
+            while ctrl.extend(["p5"] * drafted, 8):
+                drafted += 1
+            kept = ctrl.trim(["p5"] * drafted)
+            assert kept >= k
+            verified += kept
+            ctrl.observe(kept, kept, cost(kept + 1), 0.012 * drafted, ["p5"] * kept, drafted=drafted)
+        else:
+            ctrl.observe(0, 0, cost(1), 0.0)
+    assert verified > 0 and ctrl.acceptance("p5") > 0.5
+    assert ctrl.choose(8) > 0  # having seen every probe accepted, it speculates
