@@ -118,25 +118,35 @@ class AdaptiveK:
 
     def target_costs(self, w_max: int) -> list[float] | None:
         """Predicted seconds of a verify forward of w = 1..w_max rows (None: no data yet)."""
-        seen = {size: s / n for size, (s, n) in self._time.items() if n > 0.05}
-        t1 = seen.get(1)
-        if t1 is None:
+        seen = {size: (s / n, n) for size, (s, n) in self._time.items() if n > 0.05}
+        if 1 not in seen:
             return None
-        wide = sorted((size, t) for size, t in seen.items() if size >= 2)
+        t1 = seen[1][0]
+        wide = sorted((size, t, n) for size, (t, n) in seen.items() if size >= 2)
         slope_prior = t1 * (0.03 if self.gpu else 0.5)
         if not wide:  # prior: the 2nd row costs 3/4 of a token on a CPU
             line = lambda w: t1 * (1.05 if self.gpu else 1.75) + slope_prior * (w - 2)  # noqa: E731
         elif len(wide) == 1:
-            size, t = wide[0]
+            size, t, _ = wide[0]
             line = lambda w: t + slope_prior * (w - size)  # noqa: E731
-        else:
-            n = len(wide)
-            mx = sum(p[0] for p in wide) / n
-            my = sum(p[1] for p in wide) / n
-            sxx = sum((p[0] - mx) ** 2 for p in wide)
-            slope = max(0.0, sum((p[0] - mx) * (p[1] - my) for p in wide) / sxx)
+        else:  # a line through the sizes >= 2, each weighted by its (decayed) number of forwards
+            sw = sum(p[2] for p in wide)
+            mx = sum(p[0] * p[2] for p in wide) / sw
+            my = sum(p[1] * p[2] for p in wide) / sw
+            sxx = sum(p[2] * (p[0] - mx) ** 2 for p in wide)
+            slope = max(0.0, sum(p[2] * (p[0] - mx) * (p[1] - my) for p in wide) / sxx) if sxx > 0 else slope_prior
             line = lambda w: my + slope * (w - mx)  # noqa: E731
-        return [t1] + [seen[w] if w in seen else max(line(w), t1) for w in range(2, w_max + 1)]
+        # A size timed a few times is its own best estimate; one timed once or
+        # twice (a calibration sample on a busy machine) leans on the line.
+        out = [t1]
+        for w in range(2, w_max + 1):
+            if w in seen:
+                t, n = seen[w]
+                f = min(n, 3.0) / 3.0
+                out.append(max(f * t + (1.0 - f) * max(line(w), t1), t1))
+            else:
+                out.append(max(line(w), t1))
+        return out
 
     def target_cost(self, w: int) -> float | None:
         """Predicted seconds for a verify forward of w rows (None: no data yet)."""
