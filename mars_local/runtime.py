@@ -441,9 +441,9 @@ def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48
     {window: (rows that differ bit for bit, largest absolute difference)}.
     """
     m = Model(path, 0, exact_kernels=exact_kernels)
-    ctx = Context(m, n_ctx=max(256, n + 64), n_threads=n_threads)
+    toks = m.tokenize(prompt)
+    ctx = Context(m, n_ctx=max(256, len(toks) + n + 64), n_threads=n_threads)
     try:
-        toks = m.tokenize(prompt)
         ctx.sync(toks[:-1])
         base = ctx.n_past
         seq, plain = [toks[-1]], []

@@ -26,6 +26,9 @@ PY="$VENV/bin/python"
 # differ in the last bits.  On x86, patches/0002 routes single rows through
 # tinyBLAS too, so llamafile stays on (fast verify windows and prefill); on
 # other CPUs it is turned off, leaving ggml's dot kernels for every batch size.
+# patches/0003 keeps batches of up to 64 rows (every verify window) off the
+# paths whose summation order differs from a single row's: the tiled K-quant
+# matmul, the tiled flash attention and the split-KV attention of one row.
 case "$(uname -m)" in
     x86_64|amd64|i686|i386) LLAMAFILE=ON ;;
     *) LLAMAFILE=OFF ;;
@@ -37,6 +40,14 @@ patches=$(ls "$ROOT"/patches/*.patch 2>/dev/null | sort || true)
 key=$( { echo "$VERSION"; "$PY" -c 'import sys; print(sys.version)'; echo "$CMAKE_ARGS";
          for p in $patches; do sha256sum "$p" | cut -c1-64; done; } | sha256sum | cut -c1-16)
 wheel_dir="$CACHE/wheels/$key"
+
+# One build at a time per cache (a second `make` waits instead of deleting the
+# first one's source tree under it).
+mkdir -p "$CACHE"
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$CACHE/.build.lock"
+    flock 9
+fi
 
 installed_key=$(cat "$VENV/.llama-cpp-key" 2>/dev/null || true)
 if [ "$installed_key" = "$key" ] && "$PY" -c 'import llama_cpp' 2>/dev/null; then

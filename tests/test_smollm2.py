@@ -118,3 +118,14 @@ def test_k_quant_long_windows_strict_equals_plain(smollm2_q4km, smollm2):
             out = pair.generate(prompt, max_tokens=N, verify="strict", draft_max=12, adaptive=False)
             assert out.tokens == ref.tokens, prompt
             assert max(out.stats.k_per_round) == 12
+
+
+def test_windows_at_a_long_context_are_batch_invariant(smollm2):
+    """Past 512 cached positions llama.cpp's CPU flash attention splits a
+    single query row's keys across threads (another summation order than a
+    window's rows); patches/0003 turns that off."""
+    from mars_local.runtime import batch_invariance
+
+    prompt = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(80))
+    res = batch_invariance(smollm2, windows=(2, 9), n=18, n_threads=2, prompt=prompt)
+    assert {w: d for w, (d, _) in res.items()} == {2: 0, 9: 0}, res
