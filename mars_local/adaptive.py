@@ -208,7 +208,7 @@ class AdaptiveK:
             return k
         # Plain decoding looks best.  Probe the most promising window when the
         # budget covers what it is expected to lose against plain decoding.
-        if keys is not None and self._time.get(k + 1, (0.0, 0.0))[1] >= 2.0:
+        if keys is not None and self._time.get(k + 1, (0.0, 0.0))[1] >= 0.9:
             return 0  # a cheap drafter's acceptance is seen for free, and this window's cost is known
         # its expected time minus what plain decoding needs for its expected tokens
         loss = costs[k] - tokens[k] / plain
