@@ -20,36 +20,33 @@ def fmt(v, spec: str, suffix: str = "") -> str:
     return "–" if v is None else format(v, spec) + suffix
 
 
+def table(cols: list[str], runs: list[dict], cells) -> list[str]:
+    """A markdown table of the overall ("all") rows; ``cells(row)`` gives a row's cells."""
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(cells(r)) + " |" for r in runs if r["category"] == "all"]
+    return out
+
+
 def overall(runs: list[dict]) -> list[str]:
     cols = ["configuration", "tok/s", "speedup", "acceptance", "τ", "relaxed", "agreement", "quality recovery",
             "NLL ratio", "vs best fixed k"]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in runs:
-        if r["category"] != "all":
-            continue
-        out.append("| " + " | ".join([
-            row_label(r), f"{r['tokens_per_second']:.1f}", fmt(r["speedup_vs_plain"], ".2f", "×"),
-            fmt(r["acceptance_rate"], ".0%"), fmt(r["mean_accepted_length"], ".2f"), fmt(r["relaxed_share"], ".0%"),
-            fmt(r["token_agreement"], ".0%"), fmt(r["quality_recovery"], ".3f"), fmt(r["nll_ratio"], ".3f"),
-            fmt(r.get("vs_best_fixed"), ".2f", "×"),
-        ]) + " |")
-    return out
+    return table(cols, runs, lambda r: [
+        row_label(r), f"{r['tokens_per_second']:.1f}", fmt(r["speedup_vs_plain"], ".2f", "×"),
+        fmt(r["acceptance_rate"], ".0%"), fmt(r["mean_accepted_length"], ".2f"), fmt(r["relaxed_share"], ".0%"),
+        fmt(r["token_agreement"], ".0%"), fmt(r["quality_recovery"], ".3f"), fmt(r["nll_ratio"], ".3f"),
+        fmt(r.get("vs_best_fixed"), ".2f", "×"),
+    ])
 
 
 def head_to_head(runs: list[dict]) -> list[str]:
     """Every configuration against llama.cpp's best speculative row, with the time split and prefill."""
     cols = ["configuration", "tok/s", "vs llama.cpp spec (best k)", "vs plain", "acceptance", "τ",
             "target/draft/verify/other", "prefill tok/s"]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in runs:
-        if r["category"] != "all":
-            continue
-        out.append("| " + " | ".join([
-            row_label(r), f"{r['tokens_per_second']:.2f}", fmt(r.get("vs_llama_spec"), ".2f", "×"),
-            fmt(r["speedup_vs_plain"], ".2f", "×"), fmt(r["acceptance_rate"], ".0%"),
-            fmt(r["mean_accepted_length"], ".2f"), time_split(r), fmt(r.get("prefill_tokens_per_second"), ".1f"),
-        ]) + " |")
-    return out
+    return table(cols, runs, lambda r: [
+        row_label(r), f"{r['tokens_per_second']:.2f}", fmt(r.get("vs_llama_spec"), ".2f", "×"),
+        fmt(r["speedup_vs_plain"], ".2f", "×"), fmt(r["acceptance_rate"], ".0%"),
+        fmt(r["mean_accepted_length"], ".2f"), time_split(r), fmt(r.get("prefill_tokens_per_second"), ".1f"),
+    ])
 
 
 def per_category(runs: list[dict], key: str = "speedup_vs_plain", with_quality: bool = True) -> list[str]:

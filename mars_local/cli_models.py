@@ -179,5 +179,8 @@ def doctor(
         f" in {rep['learned']['path']}" + (f" ({rep['learned']['problem']})" if rep["learned"]["problem"] else "")
         + " (mars doctor --reset-learned forgets it)",
     ]
-    lines += [f"  {k.split('|')[0]:<8} {k.split('|')[1]}: {v}" for k, v in rep["learned"]["entries"].items()]
+    for k, v in rep["learned"]["entries"].items():
+        kind, *parts = k.split("|")
+        where = " · ".join(p.split("@")[0] for p in parts if len(p) != 12 or "@" in p)  # names, not hashes
+        lines.append(f"  {kind:<7} {where}: {v}")
     echo("\n".join(lines))

@@ -30,6 +30,7 @@ from pathlib import Path
 __all__ = ["LearnedStore", "default_store", "file_fingerprint", "state_dir"]
 
 VERSION = 1
+MAX_ENTRIES = 200
 
 
 def state_dir() -> Path:
@@ -79,14 +80,20 @@ class LearnedStore:
         return v if isinstance(v, dict) else None
 
     def put(self, key: str, value: dict) -> None:
-        self._load()[key] = value
+        data = self._load()
+        data.pop(key, None)  # most recently used last: what `save` keeps when it trims
+        data[key] = value
 
     def entries(self) -> dict[str, dict]:
         return dict(self._load())
 
     def save(self) -> bool:
         """Write the file atomically; False (and nothing changed) if that is not possible."""
-        data = {"version": VERSION, "entries": self._load()}
+        entries = self._load()
+        if len(entries) > MAX_ENTRIES:  # forget the least recently used (old builds, old models)
+            for k in list(entries)[: len(entries) - MAX_ENTRIES]:
+                del entries[k]
+        data = {"version": VERSION, "entries": entries}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".learned-", suffix=".tmp", dir=self.path.parent)

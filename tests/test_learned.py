@@ -71,3 +71,15 @@ def test_import_ignores_malformed_state():
     c = AdaptiveK(k_max=4)
     c.import_state({"time": {"x": [1, 2]}, "draft": "nope", "counts": [[None, 1, 1]]})
     assert c.target_cost(1) is None and c._counts == {}
+
+
+def test_store_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
+    import mars_local.learned as L
+
+    monkeypatch.setattr(L, "MAX_ENTRIES", 3)
+    st = LearnedStore(tmp_path / "learned.json")
+    for i in range(5):
+        st.put(f"k{i}", {"i": i})
+    st.put("k1", {"i": 1})  # used again: now the most recent
+    assert st.save()
+    assert list(LearnedStore(tmp_path / "learned.json").entries()) == ["k3", "k4", "k1"]
