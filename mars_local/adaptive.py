@@ -94,8 +94,7 @@ class AdaptiveK:
     _counts: dict = field(default_factory=dict)  # key -> [decayed accepted, decayed rejected]
     _time: dict = field(default_factory=dict)  # w -> [decayed sum of seconds, decayed count]
     _warm: set = field(default_factory=set)  # window sizes seen at least once (first one not timed)
-    _draft_time: float = 0.0
-    _draft_tokens: float = 0.0
+    _draft: list = field(default_factory=lambda: [0.0, 0.0])  # [decayed draft seconds, decayed drafted tokens]
     _budget: float = 0.0  # seconds the next probe may cost beyond plain decoding
     _primed: bool = False
     _rate: float = 0.0  # expected tokens/s of the last plan (R in extend/trim)
@@ -155,7 +154,8 @@ class AdaptiveK:
 
     @property
     def draft_cost(self) -> float:
-        return self._draft_time / self._draft_tokens if self._draft_tokens > 0 else 0.0
+        t, n = self._draft
+        return t / n if n > 0 else 0.0
 
     def _plan(self, k_max: int, keys: Sequence[Hashable] | None) -> tuple[list[float], list[float]] | None:
         """(expected tokens, expected seconds) of a round with k = 0..k_max drafts.
@@ -253,8 +253,13 @@ class AdaptiveK:
         return max(min(self._keep, len(keys)), max(range(len(g)), key=lambda j: (g[j], j)))
 
     def share_costs(self, other: "AdaptiveK") -> None:
-        """Use (and update) ``other``'s window timings: same target, another acceptance regime."""
-        self._time, self._warm = other._time, other._warm
+        """Use (and update) ``other``'s window and draft timings: same target and
+        drafter, another acceptance regime."""
+        self._time, self._warm, self._draft = other._time, other._warm, other._draft
+
+    def needs_calibration(self) -> bool:
+        """True until a single row and at least two window sizes have been timed."""
+        return 1 not in self._time or len(self._time) < 3
 
     # ------------------------------------------------------------ feedback
     def _time_forward(self, w: int, seconds: float) -> None:
@@ -288,8 +293,8 @@ class AdaptiveK:
         if drafted is None:
             drafted = k if keys is None else 0
         if drafted > 0:
-            self._draft_time = self._draft_time * self.decay + t_draft
-            self._draft_tokens = self._draft_tokens * self.decay + drafted
+            d = self._draft
+            d[0], d[1] = d[0] * self.decay + t_draft, d[1] * self.decay + drafted
         if k > 0:
             for i in range(min(n_accepted + 1, k)):  # positions after the first rejection are unseen
                 self._count(keys[i] if keys is not None else None, i < n_accepted)
@@ -312,7 +317,7 @@ class AdaptiveK:
         """What this controller learned, as plain JSON-able data (see :mod:`mars_local.learned`)."""
         return {
             "time": {str(w): list(v) for w, v in self._time.items()},
-            "draft": [self._draft_time, self._draft_tokens],
+            "draft": list(self._draft),
             "counts": [[k, v[0], v[1]] for k, v in self._counts.items()],
         }
 
@@ -328,7 +333,7 @@ class AdaptiveK:
             t, n = (float(x) for x in (state.get("draft") or (0.0, 0.0)))
             if n > 0 and t > 0:
                 f = min(1.0, time_cap * 4 / n)
-                self._draft_time, self._draft_tokens = t * f, n * f
+                self._draft[:] = [t * f, n * f]
             for key, acc, rej in state.get("counts") or ():
                 acc, rej = float(acc), float(rej)
                 if acc >= 0 and rej >= 0 and (acc + rej) > 0 and isinstance(key, (int, str)):

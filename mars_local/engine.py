@@ -283,8 +283,8 @@ class Engine:
             elif self._store is not None:
                 for part in ("costs", "draft"):
                     key = self._learned_keys[part]
-                    if key and self._store.get(key):
-                        ctrl.import_state(self._store.get(key))
+                    if key and (state := self._store.get(key)):
+                        ctrl.import_state(state)
             if self._store is not None:
                 ctrl.import_state(self._store.get(self._accept_key(regime)) or {})
             self._adaptive[regime] = ctrl
@@ -301,9 +301,10 @@ class Engine:
         for regime, ctrl in self._adaptive.items():
             st = ctrl.export_state()
             self._store.put(self._accept_key(regime), {"counts": st["counts"]})
-            self._store.put(self._learned_keys["costs"], {"time": st["time"]})
-            if self._learned_keys["draft"]:
-                self._store.put(self._learned_keys["draft"], {"draft": st["draft"]})
+        # window and draft timings are shared by every regime's controller (share_costs)
+        self._store.put(self._learned_keys["costs"], {"time": st["time"]})
+        if self._learned_keys["draft"]:
+            self._store.put(self._learned_keys["draft"], {"draft": st["draft"]})
         self._store.save()
 
     def _calibrate(self, ctrl: AdaptiveK, last: int) -> float:
@@ -311,9 +312,9 @@ class Engine:
         rolled back) when the controller has no measured window costs: a
         controller that starts from priors spends a short answer finding them.
         Returns the seconds spent."""
-        tgt = self.ctx
-        if ctrl.target_cost(1) is not None and len(ctrl._time) >= 3:
+        if not ctrl.needs_calibration():
             return 0.0
+        tgt = self.ctx
         clock = time.perf_counter
         t_start = clock()
         base = tgt.n_past

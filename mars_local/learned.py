@@ -8,7 +8,8 @@ depends on, so the next process starts informed:
 
 * window costs (seconds per verify forward of w rows): the target file,
   the llama.cpp build, the thread count and the GPU layers;
-* draft cost (seconds per drafted token): the draft file, build, threads, layers;
+* draft cost (seconds per drafted token): the draft and target files (they
+  share caches and memory bandwidth), build, threads, layers;
 * acceptance (decayed counts per key): target, drafter and verification regime.
 
 A file is identified by its resolved path, size and modification time, so a

@@ -261,7 +261,7 @@ def test_a_probe_is_verified_whole_so_acceptance_is_learned():
     for w in (1, 2, 3, 5, 9):
         for _ in range(2):
             ctrl.observe_forward(w, cost(w))
-    ctrl._draft_time, ctrl._draft_tokens = 0.012, 1.0
+    ctrl._draft[:] = [0.012, 1.0]
     ctrl.observe(0, 0, cost(1), 0.0)  # primes the probe budget
     verified = 0
     for _ in range(40):
@@ -278,3 +278,19 @@ def test_a_probe_is_verified_whole_so_acceptance_is_learned():
             ctrl.observe(0, 0, cost(1), 0.0)
     assert verified > 0 and ctrl.acceptance("p5") > 0.5
     assert ctrl.choose(8) > 0  # having seen every probe accepted, it speculates
+
+
+def test_regimes_share_window_and_draft_timings():
+    """Strict and MARS controllers of one engine see the same target and draft:
+    a draft cost learned by one is the other's (it was 0 for the second)."""
+    a, b = AdaptiveK(k_max=4), AdaptiveK(k_max=4)
+    b.share_costs(a)
+    for _ in range(3):
+        a.observe(0, 0, 0.010, 0.0)
+        a.observe(2, 1, 0.014, 0.006, drafted=2)
+    assert b.draft_cost == pytest.approx(a.draft_cost) == pytest.approx(0.003)
+    assert b.target_cost(3) == a.target_cost(3)
+    assert b.needs_calibration() and a.needs_calibration()  # sizes 1 and 3 only
+    a.observe_forward(2, 0.012)
+    a.observe_forward(2, 0.012)
+    assert not b.needs_calibration()
