@@ -28,6 +28,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from .errors import MarsError
+
 __all__ = ["LearnedStore", "default_store", "file_fingerprint", "state_dir"]
 
 VERSION = 1
@@ -115,11 +117,13 @@ class LearnedStore:
     def clear(self) -> int:
         """Forget everything; returns how many entries there were."""
         n = len(self._load())
-        self._data = {}
         try:
             self.path.unlink()
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            raise MarsError(f"cannot delete {self.path}: {exc.strerror or exc}") from None
+        self._data = {}
         return n
 
 

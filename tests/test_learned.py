@@ -83,3 +83,15 @@ def test_store_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
     st.put("k1", {"i": 1})  # used again: now the most recent
     assert st.save()
     assert list(LearnedStore(tmp_path / "learned.json").entries()) == ["k3", "k4", "k1"]
+
+
+def test_clear_that_cannot_delete_is_one_error_and_keeps_the_entries(tmp_path):
+    from mars_local.errors import MarsError
+
+    p = tmp_path / "learned.json"
+    p.mkdir()  # a folder where the file should be: unlink fails
+    st = LearnedStore(p)
+    st._data = {"k": {"a": 1}}
+    with pytest.raises(MarsError, match="cannot delete"):
+        st.clear()
+    assert st.entries() == {"k": {"a": 1}}
