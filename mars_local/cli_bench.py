@@ -95,7 +95,7 @@ def bench(
         None, "--drafter", help="Benchmark only this drafter: ngram or model (default: the pair's, plus -md's)."
     ),
     prompts: Optional[List[Path]] = typer.Option(
-        None, "--prompts", metavar="FILE.jsonl", help="JSONL prompt file (repeatable); default: the built-in set in benchmarks/prompts."
+        None, "--prompts", metavar="FILE.jsonl", help="JSONL prompt file (repeatable); default: the built-in set (mars_local/bench/prompts)."
     ),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories to keep."),
     n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate per prompt."),

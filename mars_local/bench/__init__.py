@@ -72,7 +72,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import MarsError
+from ..errors import MarsError
 
 __all__ = [
     "BenchPrompt",
@@ -105,7 +105,7 @@ __all__ = [
     "write_plot",
 ]
 
-DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "prompts"
+DEFAULT_PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 DEFAULT_THETAS = (0.85, 0.9, 0.95)
 METRICS = ("exact", "exact_contains", "rougeL", "chrf")
 PEER_LCP = "llama-cpp-python-prompt-lookup"
@@ -170,7 +170,7 @@ def load_prompts(paths: Sequence[str | os.PathLike] | None = None, categories: S
     """Read JSONL prompt files (default: the built-in set, one file per category).
 
     Each line: ``{"id", "category"?, "messages" | "prompt", "reference"?, "metric"?}``
-    (see benchmarks/prompts/README.md).  A line without a category gets the
+    (see mars_local/bench/prompts/README.md).  A line without a category gets the
     file's stem.  ``categories`` keeps only those categories, in that order.
     Any problem is a :class:`MarsError` naming the file and line.
     """
@@ -316,7 +316,7 @@ class TargetScorer:
 
     def __init__(self, model=None, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
                  context=None):
-        from .runtime import Context
+        from ..runtime import Context
 
         if (model is None) == (context is None):
             raise ValueError("give a model or a context")
@@ -441,7 +441,7 @@ class BenchSettings:
         return tuple(dict.fromkeys(self.fixed_ks)) if self.fixed_ks is not None else (self.draft_max,)
 
     def sampling(self):
-        from .sampling import SamplingParams
+        from ..sampling import SamplingParams
 
         # Greedy runs pass no seed: the engine fixes k for seeded MARS runs.
         return SamplingParams(
@@ -527,7 +527,7 @@ class LlamaCppPythonPeer:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        from .runtime import default_threads, gpu_offload_supported
+        from ..runtime import default_threads, gpu_offload_supported
 
         if n_gpu_layers is None:
             n_gpu_layers = -1 if gpu_offload_supported() else 0
@@ -785,7 +785,7 @@ def run_bench(
 
     ``progress(done, total, label)`` is called after each generation.
     """
-    from .engine import Engine, GenerateConfig
+    from ..engine import Engine, GenerateConfig
 
     s = settings
     s.validate()
