@@ -14,7 +14,8 @@ import sys
 
 import numpy as np
 
-from mars_local.bench import _prompt_tokens, load_prompts
+from mars_local.bench import load_prompts
+from mars_local.bench.runner import _prompt_tokens
 from mars_local.engine import Engine, GenerateConfig
 from mars_local.errors import MarsError
 from mars_local.registry import load_registry

@@ -309,8 +309,10 @@ def test_fixed_k_sweep_and_repeats(tiny_target, tiny_prompts):
 def test_repeats_keep_the_fastest_generation(tiny_target, tiny_prompts, monkeypatch):
     s = B.BenchSettings(target=tiny_target, thetas=(0.9,), draft_max=2, adaptive_modes=(False,), repeats=3,
                         max_tokens=6, n_ctx=512, peers=False)
+    from mars_local.bench import runner as bench_runner
+
     seen = []
-    orig = B._engine_sample
+    orig = bench_runner._engine_sample
 
     def slow_then_fast(out):  # the decode time of each generation, made up: 3, 2, 1, 3, 2, 1, ...
         smp = orig(out)
@@ -318,7 +320,7 @@ def test_repeats_keep_the_fastest_generation(tiny_target, tiny_prompts, monkeypa
         seen.append(smp.time_decode_s)
         return smp
 
-    monkeypatch.setattr(B, "_engine_sample", slow_then_fast)
+    monkeypatch.setattr(bench_runner, "_engine_sample", slow_then_fast)
     res = B.run_bench(tiny_prompts[:1], s)
     assert all(x.time_decode_s == 1.0 for r in res.runs for x in res.samples[r])
 

@@ -1,0 +1,177 @@
+"""The bench run: every configuration of :func:`plan_runs` on every prompt, interleaved."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from ..errors import MarsError
+from .config import PEER_COMPLETION, PEER_LCP, PEER_SPEC, BenchResult, BenchSettings, RunConfig, Sample, plan_runs
+from .metrics import check_metrics, task_score
+from .peers import LlamaCppBinaryPeer, LlamaCppPythonPeer, find_llama_cpp_binaries
+from .prompts import BenchPrompt
+from .report import summarize
+from .scoring import TargetScorer
+
+
+def _engine_sample(out) -> Sample:
+    s = out.stats
+    return Sample(
+        text=out.text, tokens=list(out.tokens), n_generated=s.n_generated,
+        time_decode_s=s.time_decode_s, n_prefill=s.n_prompt_evaluated, time_prefill_s=s.time_prompt_target_s,
+        time_target_s=s.time_target_s, time_draft_s=s.time_draft_s, time_verify_s=s.time_verify_s,
+        n_rounds=s.n_rounds, n_drafted=s.n_drafted, n_accepted=s.n_accepted, n_relaxed=s.n_relaxed,
+    )
+
+
+def _per_token(x: Sample) -> float:
+    return x.time_decode_s / x.n_generated if x.n_generated else float("inf")
+
+
+def _prompt_tokens(eng, p: BenchPrompt) -> list[int]:
+    try:
+        return eng.chat_prompt(list(p.messages)) if p.messages is not None else eng.tokenize(p.text)
+    except MarsError as exc:
+        raise MarsError(f"prompt {p.id}: {exc}") from None
+
+
+def _prompt_text(model, tokens: Sequence[int]) -> str:
+    toks = list(tokens)
+    if toks and model.add_bos and toks[0] == model.bos:
+        toks = toks[1:]  # the binaries add BOS themselves
+    return model.detokenize(toks, special=True)
+
+
+def run_bench(
+    prompts: Sequence[BenchPrompt],
+    settings: BenchSettings,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> BenchResult:
+    """Run every configuration of :func:`plan_runs` on every prompt; summarize.
+
+    ``progress(done, total, label)`` is called after each generation.
+    """
+    from ..engine import Engine, GenerateConfig
+
+    s = settings
+    s.validate()
+    prompts = list(prompts)
+    if not prompts:
+        raise MarsError("no prompts to run")
+    check_metrics(p.metric for p in prompts if p.scored)
+    notes = list(s.notes)
+    if s.temperature > 0 and len(s.adaptive_modes) > 1:
+        notes.append("sampling run: adaptive k is left out for MARS (the engine fixes k for seeded MARS runs)")
+    bins = find_llama_cpp_binaries(s.llama_cpp_bin) if s.llama_cpp_bin is not None else None
+    runs = plan_runs(s)
+    t_start = time.perf_counter()
+    engines: dict[str, Engine] = {}
+    peers: dict[RunConfig, object] = {}
+    scorer = None
+    try:
+        for d in s.drafters:
+            engines[d] = Engine(
+                s.target, s.draft if d == "model" else None, drafter=d, n_ctx=s.n_ctx,
+                n_gpu_layers=s.n_gpu_layers, n_gpu_layers_draft=s.n_gpu_layers_draft, n_threads=s.n_threads,
+                ngram_max=s.ngram_max,
+            )
+        first = engines[s.drafters[0]]
+        tokens = [_prompt_tokens(first, p) for p in prompts]
+        for p, t in zip(prompts, tokens):
+            if len(t) >= first.n_ctx:
+                raise MarsError(f"prompt {p.id} is {len(t)} tokens but the context holds {first.n_ctx}; use a larger -c")
+        for r in runs:
+            if r.method == PEER_LCP:
+                peers[r] = LlamaCppPythonPeer(s.target, n_ctx=first.n_ctx, num_pred_tokens=s.draft_max,
+                                              max_ngram_size=s.ngram_max, n_gpu_layers=s.n_gpu_layers,
+                                              n_threads=s.n_threads)
+            elif r.method == PEER_SPEC:
+                peers[r] = LlamaCppBinaryPeer(bins["llama-speculative-simple"], PEER_SPEC, s, r.drafter, r.k)
+            elif r.method == PEER_COMPLETION:
+                peers[r] = LlamaCppBinaryPeer(bins["llama-completion"], PEER_COMPLETION, s)
+        texts = [_prompt_text(first.target, t) for t in tokens] if bins else None
+        sampling = s.sampling()
+
+        def config(r: RunConfig, max_tokens: int) -> GenerateConfig:
+            if r.method == "plain":
+                return GenerateConfig(max_tokens=max_tokens, verify="strict", draft_max=0, adaptive=False, sampling=sampling)
+            return GenerateConfig(
+                max_tokens=max_tokens, verify=r.method, theta=r.theta if r.theta is not None else 0.9,
+                draft_max=s.draft_max if r.k == "adaptive" else r.k, adaptive=r.k == "adaptive", sampling=sampling,
+            )
+
+        def engine_for(r: RunConfig) -> Engine:
+            return first if r.method == "plain" else engines[r.drafter]
+
+        def one(r: RunConfig, i: int) -> Sample:
+            try:
+                if r.method == PEER_LCP:
+                    return peers[r].generate(tokens[i], s)
+                if r.is_peer:
+                    return peers[r].generate(texts[i], s)
+                return _engine_sample(engine_for(r).generate(tokens[i], config(r, s.max_tokens)))
+            except MarsError as exc:
+                raise MarsError(f"{r.label}, prompt {prompts[i].id}: {exc}") from None
+
+        if s.warmup:  # load weights into caches, start the adaptive cost model
+            for r in runs:
+                if r.method == "plain" or r.k == "adaptive" or r.method == PEER_LCP:
+                    if r.method == PEER_LCP:
+                        peers[r].generate(tokens[0], replace(s, max_tokens=min(8, s.max_tokens)))
+                    elif not r.is_peer:
+                        engine_for(r).generate(tokens[0], config(r, min(8, s.max_tokens)))
+
+        # Quality is scored in the plain engine's own target context once a
+        # prompt's generations are done (outside every timed region): the
+        # prompt is still in its KV cache.
+        scorer = TargetScorer(context=first.ctx)
+        samples: dict[RunConfig, list[Sample | None]] = {r: [None] * len(prompts) for r in runs}
+        total, done = len(runs) * len(prompts) * s.repeats, 0
+        for i, p in enumerate(prompts):
+            # Every engine evaluates this prompt from scratch, in one batch, and
+            # its other configurations reuse that: the prompt's KV cache is then
+            # computed identically for every configuration (llama.cpp's kernels
+            # for large batches are not batch-invariant; only verify windows
+            # need to be), so strict greedy output can be compared with plain
+            # output token for token, and each full prefill is timed.
+            for eng in engines.values():
+                eng.reset()
+            for rep in range(s.repeats):  # each repeat in another order; the fastest generation counts
+                shift = (i + rep * (len(runs) // s.repeats or 1)) % len(runs)
+                for r in runs[shift:] + runs[:shift]:
+                    smp = one(r, i)
+                    old = samples[r][i]
+                    if old is None or _per_token(smp) < _per_token(old):
+                        samples[r][i] = smp
+                    done += 1
+                    if progress is not None:
+                        progress(done, total, r.label)
+            nll_cache: dict[tuple, float] = {}
+            for r in runs:
+                smp = samples[r][i]
+                if smp.text is not None:
+                    smp.score = task_score(p.metric, smp.text, p.reference)
+                if smp.tokens is not None:
+                    key = tuple(smp.tokens)
+                    if key not in nll_cache:
+                        nll_cache[key] = float(scorer.nll(tokens[i], smp.tokens).sum())
+                    smp.nll_sum = nll_cache[key]
+    finally:
+        if scorer is not None:
+            scorer.close()
+        for peer in peers.values():
+            peer.close()
+        for eng in engines.values():
+            eng.close()
+    wall = time.perf_counter() - t_start
+    if s.temperature == 0:  # greedy strict must reproduce plain decoding token for token
+        for r in runs:
+            if r.method == "strict":
+                n_diff = sum(a.tokens != b.tokens for a, b in zip(samples[r], samples[runs[0]]))
+                if n_diff:
+                    notes.append(f"{r.label}: output differs from plain decoding on {n_diff} prompt(s) "
+                                 "(numerical near-ties in the target's kernels)")
+    rows = summarize(prompts, runs, samples)
+    return BenchResult(s, prompts, runs, samples, rows, wall, notes)
+
