@@ -1,14 +1,12 @@
-"""`mars chat`, `batch`, `models`, `pull`, `doctor` and the everyday `run` flags."""
+"""`mars chat`, `models`, `pull`, `doctor` and the everyday `run` flags."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ from typer.testing import CliRunner
 
 from mars_local import Engine
 from mars_local.cli import app
-from mars_local.cli_batch import done_ids
 from mars_local.cli_chat import ChatSession
 from mars_local.engine import GenerateConfig
 from mars_local.hub import split_parts
@@ -144,74 +141,6 @@ def test_chat_in_a_real_terminal(smollm2):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
-
-
-# ----------------------------------------------------------------- batch
-def write_jsonl(path: Path, rows) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def test_batch_prompts_messages_settings_and_malformed_lines(tiny_target, tmp_path):
-    inp = write_jsonl(tmp_path / "in.jsonl", [
-        {"id": 1, "prompt": "hello"},
-        {"id": "two", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-        "not json",
-        {"id": 4},
-        {"id": 5, "prompt": "the a", "temperature": 0.7, "seed": 3},
-    ])
-    out = tmp_path / "out.jsonl"
-    r = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 6)
-    assert r.exit_code == 0, r.output
-    assert "line 3" in r.stderr and "line 4" in r.stderr
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["id"] for x in rows] == [1, "two", 5]
-    assert rows[1]["stats"]["n_generated"] <= 3
-    assert all(set(x) == {"id", "text", "stats"} for x in rows)
-    # rerun: nothing left to do, nothing duplicated
-    again = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 6)
-    assert again.exit_code == 0 and len(out.read_text().splitlines()) == 3
-    # --strict makes a malformed line fatal
-    assert "line 3" in one_error_line(invoke("batch", inp, "-o", tmp_path / "o2.jsonl", "-m", tiny_target, "--strict"))
-
-
-def test_batch_stdin_to_stdout(tiny_target):
-    r = invoke("batch", "-", "-o", "-", "-m", tiny_target, "-n", 4,
-               input='{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": "world"}\n')
-    assert r.exit_code == 0, r.output
-    assert [json.loads(x)["id"] for x in r.stdout.splitlines()] == ["a", "b"]
-
-
-def test_batch_bad_input(tiny_target, tmp_path):
-    assert "not found" in one_error_line(invoke("batch", tmp_path / "nope.jsonl", "-o", tmp_path / "o", "-m", tiny_target))
-    dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}])
-    assert "duplicate" in one_error_line(invoke("batch", dup, "-o", tmp_path / "o", "-m", tiny_target))
-
-
-def test_torn_last_line_is_cut_on_resume(tmp_path):
-    out = tmp_path / "out.jsonl"
-    out.write_text('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b", "st')
-    assert done_ids(out) == {"1"}
-    assert out.read_text() == '{"id": 1, "text": "a", "stats": {}}\n'
-
-
-def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(tiny_target, tmp_path):
-    n = 60
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"w{i} hello"} for i in range(n)])
-    out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "mars_local", "batch", str(inp), "-o", str(out), "-m", str(tiny_target), "-n", "48"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while time.time() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 5):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    partial = len(out.read_bytes().splitlines())
-    assert 5 <= partial < n  # it really was interrupted
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
-    assert sorted(ids) == sorted(f"r{i}" for i in range(n))  # every id exactly once
 
 
 # ------------------------------------------------------- models, pull, doctor

@@ -1,0 +1,414 @@
+"""`mars batch`: output safety (nothing lost or changed that mars-local did not
+write), hostile input, per-record validation, exit codes.
+
+Contract for every refusal: one `error:` line on stderr, a non-zero exit code,
+no traceback, and every user file left byte for byte as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mars_local.cli import app
+from mars_local.cli_batch import done_ids
+
+EXIT_SKIPPED = 3  # records were skipped, the rest was done
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def no_traceback(r):
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+
+
+def one_error_line(r, code=2):
+    no_traceback(r)
+    assert r.exit_code == code, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    return lines[0]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def ids_in(path: Path) -> list:
+    return [json.loads(x)["id"] for x in path.read_text().splitlines()]
+
+
+@pytest.fixture()
+def two(tmp_path) -> Path:
+    return write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hello"}, {"id": 2, "prompt": "world"}])
+
+
+# -------------------------------------------------- the everyday behaviour
+def test_batch_prompts_messages_settings_and_malformed_lines(tiny_target, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "hello"},
+        {"id": "two", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
+        "not json",
+        {"id": 4},
+        {"id": 5, "prompt": "the a", "temperature": 0.7, "seed": 3},
+    ])
+    out = tmp_path / "out.jsonl"
+    r = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 6)
+    no_traceback(r)
+    assert r.exit_code == EXIT_SKIPPED, r.output  # the rest was done, two lines were skipped
+    assert "line 3" in r.stderr and "line 4" in r.stderr and "2 record(s) skipped" in r.stderr
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["id"] for x in rows] == [1, "two", 5]
+    assert rows[1]["stats"]["n_generated"] <= 3
+    assert all(set(x) == {"id", "text", "stats"} for x in rows)
+    # rerun: nothing new to generate, nothing duplicated (the bad lines are still reported)
+    again = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 6)
+    assert again.exit_code == EXIT_SKIPPED and len(out.read_text().splitlines()) == 3
+    # --strict makes a malformed line fatal, before anything is generated
+    o2 = tmp_path / "o2.jsonl"
+    assert "line 3" in one_error_line(invoke("batch", inp, "-o", o2, "-m", tiny_target, "--strict"))
+    assert not o2.exists()
+
+
+def test_batch_stdin_to_stdout(tiny_target):
+    r = invoke("batch", "-", "-o", "-", "-m", tiny_target, "-n", 4,
+               input='{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": "world"}\n')
+    assert r.exit_code == 0, r.output
+    assert [json.loads(x)["id"] for x in r.stdout.splitlines()] == ["a", "b"]
+
+
+def test_all_records_already_done_is_success(tiny_target, two, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3).exit_code == 0
+    before = out.read_bytes()
+    r = invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3)
+    no_traceback(r)
+    assert r.exit_code == 0 and "nothing to do" in r.stderr and "2 record(s)" in r.stderr
+    assert out.read_bytes() == before
+
+
+def test_output_to_a_device_is_written_without_fsync(tiny_target, two):
+    r = invoke("batch", two, "-o", os.devnull, "-m", tiny_target, "-n", 2)
+    no_traceback(r)
+    assert r.exit_code == 0, r.output
+
+
+def test_input_not_found(tiny_target, tmp_path):
+    assert "not found" in one_error_line(invoke("batch", tmp_path / "nope.jsonl", "-o", tmp_path / "o",
+                                                "-m", tiny_target))
+
+
+# ------------------------------------------------- 1. an output that is not ours
+NOT_OURS = {
+    "notes": b"my notes\nsecond line\n",
+    "notes-one-unterminated-line": b"remember the milk",
+    "json-without-text": b'{"id": 1}\n{"id": 2}\n',
+    "json-array": b"[1, 2, 3]\n",
+    "jsonl-input-like": b'{"id": 1, "prompt": "hello"}\n',
+    "ours-then-notes": b'{"id": 1, "text": "a", "stats": {}}\nmy notes\n',
+    "binary": b"\x00\x01\x02GGUF\xff\xfe\n\x00",
+    "not-utf8": b'{"id": 1, "text": "caf\xe9"}\n',
+}
+
+
+@pytest.mark.parametrize("content", NOT_OURS.values(), ids=NOT_OURS.keys())
+def test_refuses_an_output_that_is_not_mars_jsonl(tiny_target, two, tmp_path, content):
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(content)
+    line = one_error_line(invoke("batch", two, "-o", notes, "-m", tiny_target, "-n", 3))
+    assert "notes.txt" in line
+    assert notes.read_bytes() == content  # not truncated, not appended to
+
+
+# ------------------------------------------- 2. the last record of our output
+def test_last_record_without_newline_is_kept(tiny_target, two, tmp_path):
+    out = tmp_path / "out.jsonl"
+    first = '{"id": 1, "text": "kept as written", "stats": {}}'
+    out.write_text(first)  # complete record, no trailing newline (e.g. edited by hand)
+    r = invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3)
+    no_traceback(r)
+    assert r.exit_code == 0, r.output
+    lines = out.read_text().splitlines()
+    assert lines[0] == first  # not deleted, not regenerated
+    assert ids_in(out) == [1, 2]
+    assert out.read_text().endswith("\n")
+
+
+def test_torn_last_line_is_cut_with_a_note(tiny_target, two, tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b", "st')
+    r = invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3)
+    no_traceback(r)
+    assert r.exit_code == 0, r.output
+    assert "incomplete last line" in r.stderr
+    assert ids_in(out) == [1, 2]
+    assert out.read_text().startswith('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": ')
+
+
+def test_done_ids_cuts_a_torn_line_and_completes_a_record(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b", "st')
+    assert done_ids(out) == {"1"}
+    assert out.read_text() == '{"id": 1, "text": "a", "stats": {}}\n'
+    out.write_text('{"id": 1, "text": "a", "stats": {}}')
+    assert done_ids(out) == {"1"}
+    assert out.read_text() == '{"id": 1, "text": "a", "stats": {}}\n'
+
+
+@pytest.mark.parametrize("content", [
+    b'{"id": 1, "text": "a", "stats": {}}\ngarbage\n{"id": 2, "text": "b", "stats": {}}\n',  # bad middle line
+    b'{"id": 1, "text": "a", "stats": {}}\ngarbage\n',  # a complete (terminated) bad last line is not torn
+    b'{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b"\n',
+], ids=["middle", "terminated-last", "terminated-unparsable-last"])
+def test_a_bad_line_that_is_not_a_torn_last_line_is_refused(tiny_target, two, tmp_path, content):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(content)
+    line = one_error_line(invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3))
+    assert "line 2" in line
+    assert out.read_bytes() == content
+
+
+# ------------------------------------------------- 3. output = input
+@pytest.mark.parametrize("how", ["same-path", "dot-slash", "symlink", "hardlink"])
+def test_output_naming_the_input_is_refused(tiny_target, two, tmp_path, monkeypatch, how):
+    monkeypatch.chdir(tmp_path)
+    before = two.read_bytes()
+    if how == "same-path":
+        out = str(two)
+    elif how == "dot-slash":
+        out = "./" + two.name
+    elif how == "symlink":
+        out = "link.jsonl"
+        os.symlink(two, out)
+    else:
+        out = "hard.jsonl"
+        os.link(two, out)
+    line = one_error_line(invoke("batch", two.name, "-o", out, "-m", tiny_target, "-n", 3))
+    assert "input" in line
+    assert two.read_bytes() == before
+
+
+def test_output_naming_redirected_stdin_is_refused(tiny_target, two):
+    before = two.read_bytes()
+    with open(two, "rb") as fh:
+        r = subprocess.run([sys.executable, "-m", "mars_local", "batch", "-", "-o", str(two), "-m", str(tiny_target)],
+                           stdin=fh, capture_output=True, text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "input" in r.stderr
+    assert two.read_bytes() == before
+
+
+# ------------------------------------------------- 4. empty and binary input
+@pytest.mark.parametrize("content,what", [
+    (b"", "empty"),
+    (b"\n  \n\n", "no records"),
+    (b'{"id": 1, "prompt": "a"}\n\x00\x00\x00\x01\x02', "binary"),
+    (b'{"id": 1, "prompt": "caf\xe9"}\n', "UTF-8"),
+], ids=["empty", "blank-lines", "nul-bytes", "latin-1"])
+def test_empty_or_binary_input_file(tiny_target, tmp_path, content, what):
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(content)
+    out = tmp_path / "out.jsonl"
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target))
+    assert what in line and "in.jsonl" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content,what", [
+    (b"", "empty"),
+    (b"\x00\x01binary\x00", "binary"),
+    (b'{"id": 1, "prompt": "caf\xe9"}\n', "UTF-8"),
+], ids=["empty", "nul-bytes", "latin-1"])
+def test_empty_or_binary_stdin(tiny_target, content, what):
+    line = one_error_line(invoke("batch", "-", "-o", "-", "-m", tiny_target, input=content))
+    assert what in line and "standard input" in line
+
+
+# ------------------------------------------------- 5. duplicate ids
+def test_duplicate_id_is_named_with_both_lines_and_nothing_is_generated(tiny_target, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, "", {"id": "a", "prompt": "z"},
+    ])
+    out = tmp_path / "out.jsonl"
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 3))
+    assert '"a"' in line and "lines 1 and 4" in line
+    assert not out.exists()
+
+
+def test_duplicate_id_is_refused_even_when_already_done(tiny_target, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 7, "prompt": "x"}, {"id": 8, "prompt": "y"},
+                                              {"id": 7, "prompt": "z"}])
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 7, "text": "t", "stats": {}}\n')
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 3))
+    assert "7" in line and "lines 1 and 3" in line
+    assert out.read_text() == '{"id": 7, "text": "t", "stats": {}}\n'
+
+
+# ------------------------------------------------- 6. per-record validation
+BAD_RECORDS = [
+    ({"temperature": "hot"}, "'temperature' must be a finite number >= 0, got \"hot\""),
+    ({"temperature": -1}, "'temperature'"),
+    ('NaN', "'temperature'"),
+    ({"max_tokens": 0}, "'max_tokens'"),
+    ({"max_tokens": -3}, "'max_tokens'"),
+    ({"max_tokens": True}, "'max_tokens'"),
+    ({"max_tokens": 2.5}, "'max_tokens'"),
+    ({"max_tokens": "5"}, "'max_tokens'"),
+    ({"max_tokens": 513}, "context"),
+    ({"seed": "x"}, "'seed'"),
+    ({"seed": 1.5}, "'seed'"),
+    ({"seed": False}, "'seed'"),
+    ({"top_k": -1}, "'top_k'"),
+    ({"top_k": "a"}, "'top_k'"),
+    ({"top_p": 1.5}, "'top_p'"),
+    ({"top_p": "x"}, "'top_p'"),
+    ({"min_p": -0.1}, "'min_p'"),
+    ({"theta": 0}, "'theta'"),
+    ({"theta": 2}, "'theta'"),
+    ({"draft_max": 64}, "'draft_max'"),
+    ({"draft_max": -1}, "'draft_max'"),
+    ({"max_relaxed": -1}, "'max_relaxed'"),
+    ({"max_relaxed": "a"}, "'max_relaxed'"),
+    ({"verify": "loose"}, "'verify'"),
+    ({"verify": 1}, "'verify'"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "user"}]}, "content"),
+    ({"messages": "hi"}, "'messages'"),
+    ({"prompt": 5}, "'prompt'"),
+    ({"id": True}, "'id'"),
+    ({"id": 1.5e400}, "'id'"),
+]
+
+
+def _bad_line(i, change):
+    if change == "NaN":
+        return f'{{"id": "bad{i}", "prompt": "hello", "temperature": NaN}}'
+    rec = {"id": f"bad{i}", "prompt": "hello", **change}
+    if "messages" in change:
+        del rec["prompt"]
+    text = json.dumps(rec)
+    return text.replace("Infinity", "1.5e400") if "id" in change else text
+
+
+def test_bad_fields_are_named_skipped_and_exit_3(tiny_target, tmp_path):
+    rows = [{"id": "ok1", "prompt": "hello", "max_tokens": 2, "max_relaxed": None}]
+    rows += [_bad_line(i, change) for i, (change, _) in enumerate(BAD_RECORDS)]
+    rows += [{"id": "ok2", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+              "max_tokens": 2, "seed": 4, "temperature": 0.5, "top_k": 0, "top_p": 1, "min_p": 0,
+              "theta": 1, "draft_max": 0, "verify": "strict"}]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    r = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 3, "-c", 512)
+    no_traceback(r)
+    assert r.exit_code == EXIT_SKIPPED, r.output
+    assert ids_in(out) == ["ok1", "ok2"]  # the rest was finished
+    warnings = [x for x in r.stderr.splitlines() if x.startswith("warning: skipped")]
+    assert len(warnings) == len(BAD_RECORDS), r.stderr
+    for i, ((_, expect), w) in enumerate(zip(BAD_RECORDS, warnings)):
+        line_no = i + 2
+        assert w.startswith(f"warning: skipped line {line_no}: "), w
+        assert f"line {line_no}: line" not in w, w  # never "line 5: line 5:"
+        assert expect in w, (expect, w)
+        for leak in ("not supported between", "ufunc", "instances of", "Traceback", "TypeError"):
+            assert leak not in w, w
+    assert f"{len(BAD_RECORDS)} record(s) skipped" in r.stderr
+
+
+def test_bad_field_with_strict_stops_before_generating(tiny_target, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a"}, {"id": 2, "prompt": "b", "top_k": "x"}])
+    out = tmp_path / "out.jsonl"
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target, "--strict"))
+    assert line.startswith("error: line 2: 'top_k'") and "line 2: line" not in line
+    assert not out.exists()
+
+
+def test_skipped_exit_code_through_the_real_entry_point(tiny_target, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a", "max_tokens": 2},
+                                              {"id": 2, "prompt": "b", "seed": "x"}])
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, "-m", "mars_local", "batch", str(inp), "-o", str(out), "-m", str(tiny_target)],
+                       capture_output=True, text=True)
+    assert r.returncode == 3, r.stderr
+    assert "Traceback" not in r.stderr and "line 2: 'seed'" in r.stderr
+    assert ids_in(out) == [1]
+
+
+def test_help_documents_the_duplicate_policy_and_exit_codes():
+    r = invoke("batch", "--help")
+    text = " ".join(r.stdout.split())
+    assert "duplicate" in text.lower() and "3" in text and "exit" in text.lower()
+
+
+# ------------------------------------------------- 7. output path checked before the model loads
+def test_output_path_is_checked_before_the_model_loads(not_gguf, two, tmp_path):
+    """not_gguf fails only when loaded: the output error must come first."""
+    (tmp_path / "a-dir").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    cases = {
+        tmp_path / "missing" / "out.jsonl": "does not exist",
+        tmp_path / "a-dir": "directory",
+        tmp_path / "a-file" / "out.jsonl": "not a directory",
+    }
+    for out, expect in cases.items():
+        line = one_error_line(invoke("batch", two, "-o", out, "-m", not_gguf))
+        assert expect in line and "load" not in line, line
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_unwritable_output_is_checked_before_the_model_loads(not_gguf, two, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        line = one_error_line(invoke("batch", two, "-o", ro / "out.jsonl", "-m", not_gguf))
+        assert "writ" in line and "load" not in line, line
+    finally:
+        ro.chmod(0o700)
+
+
+def test_unwritable_output_is_checked_before_the_model_loads_as_any_user(not_gguf, two, tmp_path, monkeypatch):
+    """The same check where root would pass os.access: the answer is faked."""
+    existing = tmp_path / "out.jsonl"
+    existing.write_text('{"id": 9, "text": "t", "stats": {}}\n')
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    for out in (tmp_path / "new.jsonl", existing):
+        line = one_error_line(invoke("batch", two, "-o", out, "-m", not_gguf))
+        assert "not writable" in line and "load" not in line, line
+    assert existing.read_text() == '{"id": 9, "text": "t", "stats": {}}\n'
+
+
+# ------------------------------------------------- crash safety
+def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(tiny_target, tmp_path):
+    n = 40
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"w{i} hello"} for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "mars_local", "batch", str(inp), "-o", str(out), "-m", str(tiny_target), "-n", "32"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(out.read_bytes().splitlines())
+    assert 5 <= partial < n  # it really was interrupted
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(n))  # every id exactly once
