@@ -169,6 +169,9 @@ def bench(
     for path in (json_path, plot_path):
         if path is not None and not path.parent.is_dir():
             raise MarsError(f"cannot write {path}: no such directory {path.parent}")
+    B.check_metrics(p.metric for p in prompt_list if p.scored)  # the bench extra, before any model is loaded
+    if plot_path is not None:
+        B.check_plot()
 
     err = Console(stderr=True)
     n_runs = len(B.plan_runs(settings))

@@ -560,3 +560,54 @@ def test_report_script_renders_markdown(tmp_path, capsys):
     assert "| mars ngram θ=0.9 k=adaptive | 98.00 | 1.23× | 0.98× | 50% | 1.00 | 75%/15%/5%/5% | 250.0 |" in out
     assert report.main([str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.startswith("error:")
+
+
+# ------------------------------------------------- without the bench extra
+BENCH_EXTRA = ["rouge_score", "rouge_score.rouge_scorer", "sacrebleu", "sacrebleu.metrics", "matplotlib",
+               "matplotlib.backends.backend_agg", "matplotlib.figure", "matplotlib.lines"]
+
+
+@pytest.fixture
+def no_bench_extra(monkeypatch):
+    """rouge-score, sacrebleu and matplotlib made unimportable (None in sys.modules)."""
+    from mars_local.bench import metrics
+
+    for name in BENCH_EXTRA:
+        monkeypatch.setitem(sys.modules, name, None)
+    metrics._rouge.cache_clear()
+    metrics._chrf.cache_clear()
+    yield
+    metrics._rouge.cache_clear()
+    metrics._chrf.cache_clear()
+
+
+def test_metrics_without_the_bench_extra_are_a_one_line_hint(no_bench_extra):
+    assert B.task_score("exact", "Answer: 2", "2") == 1.0 and B.task_score("exact_contains", "PARIS", "Paris") == 1.0
+    B.check_metrics(["exact", "exact_contains", None])
+    for metric, fn in (("rougeL", B.score_rouge_l), ("chrf", B.score_chrf)):
+        with pytest.raises(MarsError, match=r"mars-local\[bench\]") as e:
+            fn("a b", "a b")
+        assert "\n" not in str(e.value)
+        with pytest.raises(MarsError, match=metric):
+            B.check_metrics(["exact", metric])
+    with pytest.raises(MarsError, match=r"matplotlib; install mars-local\[bench\]"):
+        B.check_plot()
+
+
+def test_cli_bench_without_the_bench_extra(no_bench_extra, tiny_target, tmp_path):
+    ok = invoke("bench", "--quick", "-m", tiny_target, "--categories", "math,rag", "--no-peers")
+    assert ok.exit_code == 0, ok.output
+    for extra in (["--categories", "summarization"], ["--categories", "math", "--plot", tmp_path / "b.png"]):
+        r = invoke("bench", "--quick", "-m", tiny_target, "--no-peers", *extra)
+        assert r.exit_code == 2, r.output
+        err = r.stderr.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and "mars-local[bench]" in err[0], r.stderr
+
+
+def test_the_cli_does_not_import_the_bench_extra():
+    import subprocess
+
+    code = ("import sys, mars_local.cli, mars_local.bench; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'rouge_score', 'sacrebleu', 'matplotlib'}))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
