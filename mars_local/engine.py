@@ -154,6 +154,8 @@ class Engine:
             check_vocab_compatible(self.target, self.draft_model)
             self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, **ctx_opts)
         self._chat_formatter = None
+        self._busy: object | None = None  # the running stream's token (one generation at a time)
+        self.last_stats: SpecStats | None = None
         self._adaptive: dict[tuple, AdaptiveK] = {}  # one per acceptance regime
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
@@ -174,7 +176,18 @@ class Engine:
     # ------------------------------------------------------------ helpers
     @property
     def n_ctx(self) -> int:
+        """The context size in use (llama.cpp rounds a requested size up to a multiple of 256)."""
         return self.ctx.n_ctx
+
+    @property
+    def n_ctx_requested(self) -> int:
+        """The context size asked for (n_ctx=0 asks for the training context)."""
+        return self.ctx.n_ctx_requested
+
+    @property
+    def n_ctx_train(self) -> int:
+        """The target's training context; a larger n_ctx works but may degrade output."""
+        return self.target.n_ctx_train
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self.target.tokenize(text, add_special=add_special)
@@ -185,31 +198,34 @@ class Engine:
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of ``messages`` rendered with the target's own chat template.
 
-        The GGUF ``tokenizer.chat_template`` is rendered by llama-cpp-python's
-        Jinja2 formatter (a sandboxed environment), with the generation prompt
-        for the assistant's turn appended.
+        The GGUF ``tokenizer.chat_template`` is rendered in a bounded Jinja2
+        sandbox with llama-cpp-python's semantics (the generation prompt for
+        the assistant's turn appended); control tokens are parsed in the
+        template's markup only, never in message text (see
+        :mod:`mars_local.chat_template`).  Every failure is one MarsError.
         """
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        from .chat_template import tokenize_chat
 
-        template = self.target.chat_template()
-        if not template:
-            raise MarsError(f"{Path(self.target.path).name} has no chat template; prompt it without chat formatting")
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise MarsError("each chat message needs a string 'role' and a string 'content'")
-        if self._chat_formatter is None or self._chat_formatter[0] != template:
+        return tokenize_chat(self._chat_template(), self.target, list(messages))
+
+    def _chat_template(self):
+        from .chat_template import ChatTemplate
+
+        source = self.target.chat_template()
+        name = Path(self.target.path).name
+        if not source:
+            raise MarsError(f"{name} has no chat template; prompt it without chat formatting")
+        if self._chat_formatter is None or self._chat_formatter.source != source:
             t = self.target
-            fmt = Jinja2ChatFormatter(
-                template,
+            self._chat_formatter = ChatTemplate(
+                source, name,
                 eos_token=t.piece(t.eos, special=True).decode("utf-8", "replace") if t.eos >= 0 else "",
                 bos_token=t.piece(t.bos, special=True).decode("utf-8", "replace") if t.bos >= 0 else "",
             )
-            self._chat_formatter = (template, fmt)
-        try:
-            text = self._chat_formatter[1](messages=list(messages)).prompt
-        except Exception as exc:  # a template error is the model's, reported as one line
-            raise MarsError(f"the model's chat template failed: {exc}") from None
-        return self.target.tokenize(text, add_special=False, parse_special=True)
+        return self._chat_formatter
 
     def _make_drafter(self, cfg: GenerateConfig, seed: int) -> Drafter:
         if self.drafter_kind == "model":
@@ -231,8 +247,10 @@ class Engine:
         if not toks:
             raise MarsError("the prompt is empty")
         if len(toks) >= self.n_ctx:
+            asked = f" (asked for {self.n_ctx_requested})" if self.n_ctx_requested != self.n_ctx else ""
             raise MarsError(
-                f"the prompt is {len(toks)} tokens but the context holds {self.n_ctx}; use a larger -c or a shorter prompt"
+                f"the prompt is {len(toks)} tokens but the context holds {self.n_ctx}{asked}; "
+                "use a larger -c or a shorter prompt"
             )
         return toks
 
@@ -242,9 +260,21 @@ class Engine:
     ) -> Iterator[Chunk]:
         """Generate, yielding one :class:`Chunk` per verify round.
 
-        The final statistics are available as ``self.last_stats`` once the
-        iterator is exhausted (``generate`` returns them directly).
+        The statistics are in ``self.last_stats`` from the first chunk on and
+        final once the iterator ends: exhausted, closed, collected, or stopped
+        by an exception (``generate`` returns them directly).  stop_reason is
+        "eog", "length", "context" (the context is full), "interrupted" (the
+        stream was closed early or hit KeyboardInterrupt) or "error".
+
+        One Engine runs one generation at a time (both caches are its state):
+        a stream started while another one is unfinished is refused with a
+        MarsError; exhaust or ``close()`` the first one (leaving a ``for`` loop
+        early releases it too, once the generator is collected).
+
+        A draft is never longer than ``n_batch - 1`` tokens, so a verify window
+        fits one batch: ``draft_max`` larger than that is capped.
         """
+        self._check_idle()
         cfg = config if config is not None else GenerateConfig.make(**options)
         if config is not None and options:
             cfg = replace(cfg, **options)
@@ -254,8 +284,18 @@ class Engine:
         drafter = self._make_drafter(cfg, seed)
         ctrl = self._controller(cfg)
         stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
-        self.last_stats = stats
         return self._run(tokens, cfg, vcfg, seed, drafter, stats, ctrl)
+
+    def _check_idle(self) -> None:
+        if self._busy is not None:
+            raise MarsError(
+                "another generation is still running on this Engine; exhaust or close() its stream first"
+            )
+
+    @property
+    def _k_limit(self) -> int:
+        """The longest draft whose verify window (k + 1 rows) fits one batch."""
+        return min(MAX_DRAFT, self.ctx.n_batch - 1)
 
     def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
         """The draft-length controller; its cost model outlives a generation.
@@ -266,7 +306,8 @@ class Engine:
         sampled drafts do: a run with an explicit seed asks to be reproducible,
         so there k stays fixed at draft_max.
         """
-        if not cfg.adaptive or self.drafter_kind == "none" or cfg.draft_max == 0:
+        k_max = min(cfg.draft_max, self._k_limit)
+        if not cfg.adaptive or self.drafter_kind == "none" or k_max == 0:
             return None
         depends_on_k = cfg.verify == "mars" or (cfg.draft_sampling == "sample" and not cfg.sampling.greedy)
         if cfg.sampling.seeded and depends_on_k:
@@ -277,7 +318,7 @@ class Engine:
         ctrl = self._adaptive.get(regime)
         if ctrl is None:
             first = next(iter(self._adaptive.values()), None)
-            ctrl = AdaptiveK(k_max=cfg.draft_max, gpu=self.target.offloaded)
+            ctrl = AdaptiveK(k_max=k_max, gpu=self.target.offloaded)
             if first is not None:
                 ctrl.share_costs(first)
             elif self._store is not None:
@@ -288,7 +329,7 @@ class Engine:
             if self._store is not None:
                 ctrl.import_state(self._store.get(self._accept_key(regime)) or {})
             self._adaptive[regime] = ctrl
-        ctrl.k_max = cfg.draft_max
+        ctrl.k_max = k_max
         return ctrl
 
     def _accept_key(self, regime: tuple) -> str:
@@ -330,8 +371,29 @@ class Engine:
         return clock() - t_start
 
     def _run(self, tokens, cfg, vcfg, seed, drafter, stats, ctrl) -> Iterator[Chunk]:
+        self._check_idle()  # another stream may have started since this one was created
+        busy = self._busy = object()
+        self.last_stats = stats
         clock = time.perf_counter
         t_start = clock()
+        try:
+            yield from self._loop(tokens, cfg, vcfg, seed, drafter, stats, ctrl, clock, t_start)
+        except (GeneratorExit, KeyboardInterrupt):
+            if not stats.stop_reason:
+                stats.stop_reason = "interrupted"
+            raise
+        except BaseException:
+            if not stats.stop_reason:
+                stats.stop_reason = "error"
+            raise
+        finally:
+            stats.time_total_s = clock() - t_start
+            if self._busy is busy:
+                self._busy = None
+            if ctrl is not None:
+                self._save_learned()
+
+    def _loop(self, tokens, cfg, vcfg, seed, drafter, stats, ctrl, clock, t_start) -> Iterator[Chunk]:
         tgt = self.ctx
         stats.n_prompt_evaluated = tgt.sync(tokens[:-1])
         stats.time_prompt_target_s = clock() - t_start
@@ -349,87 +411,83 @@ class Engine:
         verify_window = native.verify if use_native else verify
         stats.verify_backend = "native" if use_native else "numpy"
         generated = 0
-        try:
-            while True:
-                remaining = cfg.max_tokens - generated
-                if remaining <= 0:
-                    stats.stop_reason = "length"
-                    break
-                room = tgt.n_ctx - tgt.n_past - 1  # rows that fit after `last`
-                if room < 0:
-                    stats.stop_reason = "context"
-                    break
-                k_cap = min(cfg.draft_max, remaining - 1, room)
+        while True:
+            remaining = cfg.max_tokens - generated
+            if remaining <= 0:
+                stats.stop_reason = "length"
+                break
+            room = tgt.n_ctx - tgt.n_past - 1  # rows that fit after `last`
+            if room < 0:
+                stats.stop_reason = "context"
+                break
+            k_cap = min(cfg.draft_max, self._k_limit, remaining - 1, room)
 
-                t0 = clock()
-                shadow, drafted = None, None
-                if ctrl is None:
-                    draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
-                elif cheap:
-                    # An n-gram lookup is free: propose first, then let the
-                    # controller cut the draft knowing its match lengths.
-                    full = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
-                    k = ctrl.choose(k_cap, full.keys or [])
-                    draft = Draft(full.tokens[:k], keys=full.keys[:k]) if k else EMPTY_DRAFT
-                    if not k and full.tokens:
-                        shadow = full  # its first token is compared with the target's, for free
-                elif ctrl.choose(k_cap) > 0:
-                    # A draft model drafts token by token until the controller,
-                    # seeing each token's confidence, says more would not pay;
-                    # trailing drafts not worth their verify rows are cut.
-                    full = drafter.propose(tokens, k_cap, extend=lambda keys: ctrl.extend(keys, k_cap))
-                    drafted = len(full)
-                    m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
-                    draft = full if m == drafted else Draft(
-                        full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]
-                    )
-                else:
-                    draft = EMPTY_DRAFT
-                if len(draft) < cfg.draft_min:
-                    draft = EMPTY_DRAFT
-                t1 = clock()
-                base = tgt.n_past
-                logits = tgt.eval([tokens[-1]] + draft.tokens, n_out=len(draft) + 1)
-                t2 = clock()
-                u = None if params.greedy else position_uniforms(seed, len(tokens), len(draft) + 1)
-                d = np.asarray(draft.tokens, dtype=np.int64)
-                res = verify_window(logits, d, vcfg, params, None, draft.probs, u)
-                t3 = clock()
-                tgt.truncate(base + 1 + res.n_accepted)
-                new = res.tokens
-                tokens.extend(new)
-                drafter.observe(tokens, res.n_accepted)
-                t4 = clock()
-                stats.time_draft_s += (t1 - t0) + (t4 - t3)
-                stats.time_target_s += t2 - t1
-                stats.time_verify_s += t3 - t2
-                if ctrl is not None:
-                    ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3), draft.keys,
-                                 drafted=0 if cheap else (drafted or 0))
-                    if shadow is not None:
-                        ctrl.observe_shadow(shadow.tokens[0] == new[0], shadow.keys[0])
-
-                kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
-                stop = None
-                for i, t in enumerate(new):
-                    if is_eog(t):
-                        new, kinds, stop = new[:i], kinds[:i], "eog"
-                        break
-                stats.record_round(len(draft), res.n_accepted, res.n_relaxed, len(new))
-                generated += len(new)
-                text = decoder.decode(b"".join(piece(t) for t in new))
-                if new or text:
-                    yield Chunk(list(new), text, kinds)
-                if stop:
-                    stats.stop_reason = stop
-                    break
-            tail = decoder.decode(b"", final=True)
-            if tail:
-                yield Chunk([], tail, [])
-        finally:
-            stats.time_total_s = clock() - t_start
+            t0 = clock()
+            shadow, drafted = None, None
+            if ctrl is None:
+                draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+            elif cheap:
+                # An n-gram lookup is free: propose first, then let the
+                # controller cut the draft knowing its match lengths.
+                full = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+                k = ctrl.choose(k_cap, full.keys or [])
+                draft = Draft(full.tokens[:k], keys=full.keys[:k]) if k else EMPTY_DRAFT
+                if not k and full.tokens:
+                    shadow = full  # its first token is compared with the target's, for free
+            elif ctrl.choose(k_cap) > 0:
+                # A draft model drafts token by token until the controller,
+                # seeing each token's confidence, says more would not pay;
+                # trailing drafts not worth their verify rows are cut.
+                full = drafter.propose(tokens, k_cap, extend=lambda keys: ctrl.extend(keys, k_cap))
+                drafted = len(full)
+                m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
+                draft = full if m == drafted else Draft(
+                    full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]
+                )
+            else:
+                draft = EMPTY_DRAFT
+            if len(draft) < cfg.draft_min:
+                draft = EMPTY_DRAFT
+            t1 = clock()
+            base = tgt.n_past
+            logits = tgt.eval([tokens[-1]] + draft.tokens, n_out=len(draft) + 1)
+            t2 = clock()
+            u = None if params.greedy else position_uniforms(seed, len(tokens), len(draft) + 1)
+            d = np.asarray(draft.tokens, dtype=np.int64)
+            res = verify_window(logits, d, vcfg, params, None, draft.probs, u)
+            t3 = clock()
+            tgt.truncate(base + 1 + res.n_accepted)
+            new = res.tokens
+            tokens.extend(new)
+            drafter.observe(tokens, res.n_accepted)
+            t4 = clock()
+            stats.time_draft_s += (t1 - t0) + (t4 - t3)
+            stats.time_target_s += t2 - t1
+            stats.time_verify_s += t3 - t2
             if ctrl is not None:
-                self._save_learned()
+                ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3), draft.keys,
+                             drafted=0 if cheap else (drafted or 0))
+                if shadow is not None:
+                    ctrl.observe_shadow(shadow.tokens[0] == new[0], shadow.keys[0])
+
+            kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
+            stop = None
+            for i, t in enumerate(new):
+                if is_eog(t):
+                    new, kinds, stop = new[:i], kinds[:i], "eog"
+                    break
+            stats.record_round(len(draft), res.n_accepted, res.n_relaxed, len(new))
+            generated += len(new)
+            text = decoder.decode(b"".join(piece(t) for t in new))
+            if stop or generated >= cfg.max_tokens:  # before the yield: a consumer may stop at the last chunk
+                stats.stop_reason = stop or "length"
+            if new or text:
+                yield Chunk(list(new), text, kinds)
+            if stop:
+                break
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield Chunk([], tail, [])
 
     def generate(
         self,
@@ -442,16 +500,20 @@ class Engine:
         plus the sampling fields (temperature, top_k, top_p, min_p, seed)."""
         text, toks, kinds = [], [], []
         it = self.stream(prompt, config, **options)
-        for chunk in it:
-            text.append(chunk.text)
-            toks.extend(chunk.tokens)
-            kinds.extend(chunk.kinds)
-            if on_chunk is not None:
-                on_chunk(chunk)
+        try:
+            for chunk in it:
+                text.append(chunk.text)
+                toks.extend(chunk.tokens)
+                kinds.extend(chunk.kinds)
+                if on_chunk is not None:
+                    on_chunk(chunk)
+        finally:
+            it.close()  # an exception in on_chunk (Ctrl-C) finalizes the stats and frees the engine now
         return Generation("".join(text), toks, kinds, self.last_stats)
 
     def reset(self) -> None:
         """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""
+        self._check_idle()
         for ctx in (self.ctx, self.draft_ctx):
             if ctx is not None:
                 ctx.truncate(0)

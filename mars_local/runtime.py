@@ -142,6 +142,124 @@ def _check_gguf_file(path: Path) -> None:
         raise MarsError(f"cannot read model file {path}: {exc.strerror}") from None
     if magic != b"GGUF":
         raise MarsError(f"not a GGUF model file: {path}")
+    _check_gguf_extent(path)
+
+
+# ggml type -> (elements per block, bytes per block), from ggml.c's type traits
+_GGML_BLOCKS = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+    23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
+    34: (256, 54), 35: (256, 66), 39: (32, 17),
+}
+# GGUF metadata value types -> fixed size in bytes (8: string, 9: array)
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _Short(Exception):
+    pass
+
+
+def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
+    """(bytes the header says the file holds, bytes it has), from the header
+    alone (memory-mapped: only the header's pages are read).  None when the
+    header uses something this parser does not know (then llama.cpp decides).
+    Raises _Short when the file ends inside the header."""
+    import mmap
+    import struct
+
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        if size < 24:
+            raise _Short
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        pos = 4
+
+        def take(fmt: str):
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > size:
+                raise _Short
+            v = struct.unpack_from(fmt, buf, pos)
+            pos += n
+            return v[0] if len(v) == 1 else v
+
+        def skip(n: int) -> None:
+            nonlocal pos
+            if n < 0 or pos + n > size:
+                raise _Short
+            pos += n
+
+        def string() -> bytes:
+            n = take("<Q")
+            start = pos
+            skip(n)
+            return bytes(buf[start:pos])
+
+        version = take("<I")
+        if version not in (2, 3):
+            return None
+        n_tensors, n_kv = take("<QQ")
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            vtype = take("<I")
+            if vtype == 8:
+                val = string()
+            elif vtype == 9:
+                atype, n = take("<IQ")
+                if atype == 8:
+                    for _ in range(n):
+                        skip(take("<Q"))
+                elif atype in _GGUF_SCALAR:
+                    skip(_GGUF_SCALAR[atype] * n)
+                else:
+                    return None
+                continue
+            elif vtype in _GGUF_SCALAR:
+                val = take("<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR[vtype]])
+            else:
+                return None
+            if key == b"general.alignment" and vtype == 4 and val > 0:
+                alignment = val
+        end = 0
+        for _ in range(n_tensors):
+            skip(take("<Q"))  # name
+            n_dims = take("<I")
+            if n_dims > 8:
+                return None
+            dims = [take("<Q") for _ in range(n_dims)]
+            ttype, offset = take("<IQ")
+            if ttype not in _GGML_BLOCKS:
+                return None
+            block, nbytes = _GGML_BLOCKS[ttype]
+            n_el = 1
+            for d in dims:
+                n_el *= d
+            end = max(end, offset + n_el // block * nbytes)
+        data_start = -(-pos // alignment) * alignment
+        return data_start + end, size
+    finally:
+        buf.close()
+
+
+def _check_gguf_extent(path: Path) -> None:
+    try:
+        extent = _gguf_tensor_extent(path)
+    except _Short:
+        raise MarsError(
+            f"cannot load {path}: the file is truncated or corrupt: it ends inside its GGUF header "
+            f"(the file has {path.stat().st_size:,} bytes)"
+        ) from None
+    except (OSError, ValueError, OverflowError, MemoryError):
+        return  # llama.cpp gives its own reason
+    if extent is not None and extent[0] > extent[1]:
+        raise MarsError(
+            f"cannot load {path}: the file is truncated or corrupt: the header declares tensor data up to "
+            f"byte {extent[0]:,}, the file has {extent[1]:,} bytes"
+        )
 
 
 class Model:
@@ -220,7 +338,17 @@ class Model:
         return C.llama_vocab_get_text(self.vocab, token) or b""
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        """Token ids of ``text``.  Text that is not valid Unicode (a lone
+        surrogate, which is what Python makes of undecodable bytes in argv) is
+        refused with a MarsError: decoding bytes is the caller's business."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            ch = text[exc.start]
+            raise MarsError(
+                f"the text cannot be encoded as UTF-8: it has a lone surrogate U+{ord(ch):04X} at character "
+                f"{exc.start} (undecodable input bytes?); decode the input as UTF-8 first"
+            ) from None
         cap = len(data) + 16
         buf = (C.llama_token * cap)()
         n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
@@ -279,8 +407,54 @@ def check_vocab_compatible(target: Model, draft: Model) -> None:
             fail(f"token {t} differs")
 
 
+def special_tokens(model: Model) -> list[tuple[str, int, bool, bool]]:
+    """(text, id, lstrip, rstrip) of every token that llama.cpp's tokenizer
+    parses as special only when asked to (control and unknown tokens)."""
+    want = C.LLAMA_TOKEN_ATTR_CONTROL | C.LLAMA_TOKEN_ATTR_UNKNOWN
+    out = []
+    for t in range(model.n_vocab):
+        attr = int(C.llama_vocab_get_attr(model.vocab, t))
+        if attr & want:
+            text = model.token_text(t).decode("utf-8", errors="replace")
+            if text:
+                out.append((text, t, bool(attr & C.LLAMA_TOKEN_ATTR_LSTRIP), bool(attr & C.LLAMA_TOKEN_ATTR_RSTRIP)))
+    return out
+
+
 # ----------------------------------------------------------------- context
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+_KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+MAX_CTX = 1 << 30  # llama.cpp's positions are 32-bit; no model comes near this
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def kv_cache_bytes(model: Model, n_ctx: int, kv_type: str = "f16") -> int:
+    """Estimated KV-cache size of a context (standard attention; llama.cpp pads n_ctx to 256)."""
+    m = model._model
+    n_layer = int(C.llama_model_n_layer(m))
+    n_head = max(int(C.llama_model_n_head(m)), 1)
+    n_head_kv = int(C.llama_model_n_head_kv(m))
+    head = int(C.llama_model_n_embd(m)) // n_head
+    padded = -(-int(n_ctx) // 256) * 256
+    return int(padded * 2 * n_layer * n_head_kv * head * _KV_BYTES.get(kv_type, 2.0))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 class Context:
@@ -302,8 +476,31 @@ class Context:
         kv_type: str = "f16",
     ):
         self.model = model
-        n_ctx = int(n_ctx) if n_ctx and n_ctx > 0 else model.n_ctx_train
-        n_ctx = max(16, min(n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else n_ctx)
+        if n_ctx is None:
+            n_ctx = 0
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)):
+            raise MarsError(f"the context size must be a whole number of tokens, got {n_ctx!r}")
+        n_ctx = int(n_ctx)
+        if n_ctx < 0:
+            raise MarsError(
+                f"the context size must be >= 0 (0: the model's training context, {model.n_ctx_train}), got {n_ctx}"
+            )
+        # 0 means the training context (llama.cpp's convention); a larger size
+        # than the training context is allowed, as in llama.cpp (callers warn).
+        requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else 4096)
+        if requested > MAX_CTX:
+            raise MarsError(f"the context size {requested:,} is too large (at most {MAX_CTX:,} tokens)")
+        self.n_ctx_requested = requested
+        n_ctx = max(16, requested)
+        if kv_type not in KV_TYPES:
+            raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+        kv_bytes = 0 if model.recurrent else kv_cache_bytes(model, n_ctx, kv_type)
+        avail = None if model.offloaded else _available_memory()
+        if avail is not None and kv_bytes > avail:
+            raise MarsError(
+                f"a context of {requested:,} tokens needs about {_gib(kv_bytes)} of KV cache, more than the "
+                f"{_gib(avail)} of memory available; use a smaller -c"
+            )
         n_batch = max(1, min(int(n_batch), n_ctx))
         threads = int(n_threads) if n_threads else default_threads()
         cp = C.llama_context_default_params()
@@ -315,14 +512,16 @@ class Context:
         cp.no_perf = True
         if flash_attn is not None:
             cp.flash_attn_type = 1 if flash_attn else 0
-        if kv_type not in KV_TYPES:
-            raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         cp.type_k = cp.type_v = KV_TYPES[kv_type]
         _recent_log.clear()
         self._ctx = C.llama_init_from_model(model._model, cp)
         if not self._ctx:
             reason = _last_llama_error()
-            raise MarsError(f"cannot create a llama.cpp context (n_ctx={n_ctx})" + (f": {reason}" if reason else ""))
+            size = f" (its KV cache needs about {_gib(kv_bytes)})" if kv_bytes else ""
+            raise MarsError(
+                f"cannot create a llama.cpp context of {n_ctx:,} tokens{size}" + (f": {reason}" if reason else "")
+                + "; use a smaller -c"
+            )
         self.n_ctx = int(C.llama_n_ctx(self._ctx))
         self.n_batch = n_batch
         self.n_threads = threads

@@ -1,0 +1,464 @@
+"""A model's own chat template, rendered in a bounded sandbox and tokenized so
+that message text can never become control tokens.
+
+Rendering follows llama-cpp-python's ``Jinja2ChatFormatter`` (the semantics of
+Hugging Face chat templates): an immutable sandbox with ``trim_blocks`` and
+``lstrip_blocks``, the ``loopcontrols`` extension, a pass-through
+``{% generation %}`` tag, a ``tojson`` filter that keeps non-ASCII text, and the
+variables ``messages``, ``bos_token``, ``eos_token``, ``add_generation_prompt``
+(True), ``raise_exception``, ``strftime_now``, ``tools``, ``tool_choice``,
+``functions`` and ``function_call``.
+
+A GGUF file is untrusted input, so rendering is bounded:
+
+* ``*`` / ``**`` / ``+`` / ``%`` on strings and lists, the string methods and
+  filters that pad, replace or join, and ``str.format`` widths are refused when
+  the result would exceed :data:`SIZE_LIMIT` characters (or items) plus four
+  times the size of the messages; ``range`` is capped at :data:`MAX_RANGE`;
+* the output is generated chunk by chunk and refused past the same size;
+* rendering is refused after :data:`TIME_LIMIT` seconds (checked on every
+  operator, call, filter, ``range`` step and output chunk).  A loop whose
+  body does none of these (an empty ``{% for %}`` over a large string) is not
+  interrupted by these checks; every other runaway is.
+
+Every failure (syntax error, ``raise_exception``, a limit) is a
+:class:`MarsError` naming the model file, and the template line where Jinja
+knows it.
+
+Special tokens: :func:`tokenize_chat` parses control tokens (``<|im_start|>``)
+only in the template's own markup.  When no message contains special-token
+text the whole rendered prompt is tokenized as before (so benign prompts keep
+their token ids).  Otherwise the template is rendered a second time with every
+message content replaced by a unique sentinel; the sentinel render, with the
+real contents put back, must reproduce the real render (the template may
+``trim`` the content; other transformations are detected).  The markup pieces
+are then searched for control tokens, and the text between control tokens
+(markup and message text joined, exactly the fragments llama.cpp would
+tokenize) is tokenized with special parsing off.  If the template transforms
+content in another way (for example it inspects or rewrites it), a message
+that contains special-token text is refused with one line rather than let
+through as control tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import secrets
+import time
+from datetime import datetime
+from typing import Any, Sequence
+
+from .errors import MarsError
+
+__all__ = ["ChatTemplate", "tokenize_chat", "SIZE_LIMIT", "TIME_LIMIT", "MAX_RANGE"]
+
+SIZE_LIMIT = 1_000_000  # characters of a string (or items of a list) a template may build ...
+SIZE_PER_INPUT = 4  # ... plus this many times the characters of the messages
+TIME_LIMIT = 2.0  # seconds of rendering
+MAX_RANGE = 100_000  # items of one range()
+MAX_POW_BITS = 64_000  # an integer power may have this many bits
+
+
+class _Limit(Exception):
+    """A rendering limit was hit (turned into a MarsError by ChatTemplate)."""
+
+
+class _TemplateRaised(Exception):
+    """raise_exception() was called by the template."""
+
+
+def _size(x: Any) -> int:
+    if isinstance(x, (str, bytes, list, tuple, dict, set, frozenset)):
+        return len(x)
+    return 0
+
+
+_PCT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_FMT_NUM = re.compile(r"\d+")
+
+
+def _build_env():
+    import jinja2
+    import jinja2.ext
+    from jinja2.ext import Extension
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class IgnoreGenerationTags(Extension):
+        """Pass-through for Hugging Face's ``{% generation %}`` tag."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            parser.stream.skip(1)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    class BoundedRange:
+        """range() whose iteration checks the render's time limit."""
+
+        def __init__(self, env, r: range):
+            self._env, self._r = env, r
+
+        def __iter__(self):
+            tick = self._env._tick
+            for n, v in enumerate(self._r):
+                if not n & 1023:
+                    tick()
+                yield v
+
+        def __len__(self):
+            return len(self._r)
+
+        def __getitem__(self, i):
+            return self._r[i]
+
+        def __contains__(self, v):
+            return v in self._r
+
+        def __reversed__(self):
+            return iter(BoundedRange(self._env, self._r[::-1]))
+
+        def __repr__(self):
+            return repr(self._r)
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.limit = SIZE_LIMIT
+            self.deadline = math.inf
+            self.globals["range"] = self._range
+            for name in list(self.filters):
+                self.filters[name] = self._wrap_filter(name, self.filters[name])
+
+        # -- limits
+        def _tick(self) -> None:
+            if time.monotonic() > self.deadline:
+                raise _Limit(f"rendering took longer than {TIME_LIMIT:g} s")
+
+        def _refuse(self, what: str, n: int) -> None:
+            if n > self.limit:
+                raise _Limit(f"{what} would build {n:,} characters or items (the limit is {self.limit:,})")
+
+        def _check(self, value: Any, what: str = "a value") -> Any:
+            self._refuse(what, _size(value))
+            return value
+
+        def _range(self, *args):
+            self._tick()
+            r = range(*args)
+            if len(r) > MAX_RANGE:
+                raise _Limit(f"range() of {len(r):,} items (the limit is {MAX_RANGE:,})")
+            return BoundedRange(self, r)
+
+        def _check_pct(self, fmt: str) -> None:
+            for m in _PCT_SPEC.finditer(fmt):
+                for g in m.groups():
+                    if g == "*":
+                        raise _Limit("a '%*' width is not allowed in a chat template")
+                    if g is not None:
+                        self._refuse("a '%' format width", int(g))
+
+        def _check_format_spec(self, fmt: str) -> None:
+            for spec in re.findall(r"\{[^{}]*?:([^{}]*)\}", fmt):
+                for num in _FMT_NUM.findall(spec):
+                    self._refuse("a format width", int(num))
+            if re.search(r"\{[^{}]*:[^{}]*\{", fmt):
+                raise _Limit("nested format widths are not allowed in a chat template")
+
+        # -- operators
+        def call_binop(self, context, operator, left, right):
+            self._tick()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int):
+                        self._refuse("'*'", len(seq) * max(n, 0))
+            elif operator == "**":
+                if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+                    bits = right * math.log2(abs(left))
+                    if bits > MAX_POW_BITS:
+                        raise _Limit(f"'**' would build a {int(bits):,}-bit number")
+            elif operator == "+":
+                if isinstance(left, (str, bytes, list, tuple)) and isinstance(right, (str, bytes, list, tuple)):
+                    self._refuse("'+'", len(left) + len(right))
+            elif operator == "%" and isinstance(left, str):
+                self._check_pct(left)
+                return self._check(super().call_binop(context, operator, left, right), "'%'")
+            return super().call_binop(context, operator, left, right)
+
+        # -- calls and attributes
+        def _precheck_str_method(self, obj, args, kwargs) -> None:
+            s, name = obj.__self__, obj.__name__
+            if name in ("center", "ljust", "rjust", "zfill"):
+                width = args[0] if args else kwargs.get("width", 0)
+                if isinstance(width, int):
+                    self._refuse(f"str.{name}()", width)
+            elif name == "expandtabs":
+                size = args[0] if args else kwargs.get("tabsize", 8)
+                if isinstance(size, int):
+                    self._refuse("str.expandtabs()", len(s) + s.count("\t") * max(size, 0))
+            elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+                self._refuse("str.replace()", _replaced_size(s, args[0], args[1], args[2] if len(args) > 2 else -1))
+            elif name == "join" and args:
+                items = args[0]
+                if isinstance(items, (list, tuple)):
+                    self._refuse("str.join()", sum(_size(x) for x in items) + len(s) * max(len(items) - 1, 0))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+            __self._tick()
+            if isinstance(getattr(__obj, "__self__", None), str) and hasattr(__obj, "__name__"):
+                __self._precheck_str_method(__obj, args, kwargs)
+            return __self._check(super().call(__context, __obj, *args, **kwargs), "a call")
+
+        def wrap_str_format(self, value):
+            fmt = super().wrap_str_format(value)
+            if fmt is None:
+                return None
+            self._check_format_spec(value.__self__)
+
+            def bounded(*args, **kwargs):
+                self._tick()
+                return self._check(fmt(*args, **kwargs), "str.format()")
+
+            return bounded
+
+        # -- filters
+        def _wrap_filter(self, name, fn):
+            import functools
+
+            pre = {
+                "center": lambda v, width=80, *a, **k: self._refuse("center", width if isinstance(width, int) else 0),
+                "indent": lambda v, width=4, *a, **k: self._refuse(
+                    "indent", (len(width) if isinstance(width, str) else width if isinstance(width, int) else 0)
+                    * (str(v).count("\n") + 1) + _size(v)),
+                "replace": lambda v, old="", new="", count=None, *a, **k: self._refuse(
+                    "replace", _replaced_size(str(v), str(old), str(new), -1 if count is None else count)
+                ) if isinstance(v, str) else None,
+                "join": lambda v, d="", *a, **k: self._refuse(
+                    "join", sum(_size(x) for x in v) + len(str(d)) * len(v)) if isinstance(v, (list, tuple)) else None,
+                "format": lambda v, *a, **k: self._check_pct(v) if isinstance(v, str) else None,
+                "slice": lambda v, slices=1, *a, **k: self._refuse("slice", slices if isinstance(slices, int) else 0),
+                "batch": lambda v, n=1, *a, **k: None,
+                "wordwrap": lambda v, width=79, *a, **k: None,
+            }.get(name)
+            ctx_first = getattr(fn, "jinja_pass_arg", None) is not None
+
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                self._tick()
+                if pre is not None:
+                    pre(*(args[1:] if ctx_first else args), **kwargs)
+                return self._check(fn(*args, **kwargs), f"the {name!r} filter")
+
+            return wrapper
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        if isinstance(indent, int) and indent > 64:
+            raise _Limit(f"tojson(indent={indent}) is not allowed in a chat template")
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = BoundedSandbox(
+        loader=jinja2.BaseLoader(),
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[IgnoreGenerationTags, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = env._wrap_filter("tojson", tojson)
+    return env
+
+
+def _replaced_size(s: str, old: str, new: str, count: int = -1) -> int:
+    n = (len(s) + 1) if old == "" else s.count(old)
+    if isinstance(count, int) and count >= 0:
+        n = min(n, count)
+    return len(s) + n * (len(new) - len(old))
+
+
+def _template_line(tb) -> int | None:
+    """The template line of the innermost frame of rendered template code."""
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line
+
+
+def _strftime_now(f: str) -> str:
+    return datetime.now().strftime(f)
+
+
+class ChatTemplate:
+    """A compiled chat template of one model (``name`` is used in messages)."""
+
+    def __init__(self, source: str, name: str, *, bos_token: str = "", eos_token: str = ""):
+        import jinja2
+
+        self.source, self.name = source, name
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self._env = _build_env()
+        try:
+            self._template = self._env.from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            where = f" at line {exc.lineno}" if exc.lineno else ""
+            raise MarsError(f"the chat template of {name} has a syntax error{where}: {_one_line(exc.message)}") from None
+        except (Exception, RecursionError) as exc:
+            raise MarsError(f"the chat template of {name} cannot be compiled: {_one_line(str(exc))}") from None
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text; a MarsError naming the model on any failure or limit."""
+        import jinja2
+
+        def raise_exception(message):
+            raise _TemplateRaised(str(message))
+
+        env = self._env
+        n_in = sum(len(str(m.get("content") or "")) + len(str(m.get("role") or "")) for m in messages)
+        env.limit = SIZE_LIMIT + SIZE_PER_INPUT * n_in
+        env.deadline = time.monotonic() + TIME_LIMIT
+        parts: list[str] = []
+        total = 0
+        try:
+            for chunk in self._template.generate(
+                messages=[dict(m) for m in messages],
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                raise_exception=raise_exception,
+                add_generation_prompt=add_generation_prompt,
+                functions=None,
+                function_call=None,
+                tools=None,
+                tool_choice=None,
+                strftime_now=_strftime_now,
+            ):
+                total += len(chunk)
+                if total > env.limit:
+                    raise _Limit(f"the rendered prompt would exceed {env.limit:,} characters")
+                env._tick()
+                parts.append(chunk)
+        except _Limit as exc:
+            raise MarsError(f"the chat template of {self.name} was refused: {exc}") from None
+        except _TemplateRaised as exc:
+            raise MarsError(f"the chat template of {self.name} refused the messages: {_one_line(str(exc))}") from None
+        except (jinja2.TemplateError, Exception, RecursionError) as exc:
+            line = _template_line(exc.__traceback__)
+            where = f" at line {line}" if line else ""
+            why = _one_line(str(exc)) or type(exc).__name__
+            raise MarsError(f"the chat template of {self.name} failed{where}: {why}") from None
+        finally:
+            env.deadline = math.inf
+        return "".join(parts)
+
+
+def _one_line(s: str) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= 300 else s[:297] + "..."
+
+
+# ----------------------------------------------------------- tokenization
+def _has_special_text(model, text: str) -> bool:
+    return model.tokenize(text, add_special=False, parse_special=True) != model.tokenize(
+        text, add_special=False, parse_special=False
+    )
+
+
+def _special_tokens(model) -> list[tuple[str, int, bool, bool]]:
+    """(text, id, lstrip, rstrip) of the tokens llama.cpp parses as special, longest first (cached)."""
+    cached = getattr(model, "_mars_special_tokens", None)
+    if cached is not None:
+        return cached
+    from .runtime import special_tokens
+
+    out = sorted(special_tokens(model), key=lambda t: -len(t[0]))
+    model._mars_special_tokens = out
+    return out
+
+
+def _split(template: ChatTemplate, messages: Sequence[dict], reference: str) -> list[tuple[str, bool]] | None:
+    """[(text, is_markup)] covering ``reference``, or None when the template
+    does not print message contents verbatim (or trimmed)."""
+    nonce = secrets.token_hex(6)
+    contents = [m["content"] for m in messages]
+    marked = [dict(m, content=f"\ue000{nonce}{i}\ue001") for i, m in enumerate(messages)]
+    render = template.render(marked)
+    parts = re.split(f"\ue000{nonce}(\\d+)\ue001", render)
+    out: list[tuple[str, bool]] = []
+    pos = 0
+    for j, part in enumerate(parts):
+        if j % 2 == 0:  # markup
+            if not reference.startswith(part, pos):
+                return None
+            out.append((part, True))
+            pos += len(part)
+            continue
+        c = contents[int(part)]
+        after = parts[j + 1]
+        for v in dict.fromkeys((c, c.strip(), c.lstrip(), c.rstrip())):
+            if reference.startswith(v, pos) and reference.startswith(after, pos + len(v)):
+                out.append((v, False))
+                pos += len(v)
+                break
+        else:
+            return None
+    return out if pos == len(reference) else None
+
+
+def tokenize_chat(template: ChatTemplate, model, messages: Sequence[dict], *, force_split: bool = False) -> list[int]:
+    """Token ids of ``messages`` rendered with ``template``; control tokens are
+    parsed in the template's markup only (see the module docstring)."""
+    reference = template.render(messages)
+    special_in = [i for i, m in enumerate(messages) if _has_special_text(model, m["content"])]
+    if not special_in and not force_split:
+        return model.tokenize(reference, add_special=False, parse_special=True)
+    pieces = _split(template, messages, reference)
+    if pieces is None:
+        if not special_in:
+            return model.tokenize(reference, add_special=False, parse_special=True)
+        raise MarsError(
+            f"message {special_in[0] + 1} contains special-token text and the chat template of {template.name} "
+            "transforms message content, so that text cannot be kept apart from the template's markup; "
+            "remove the special tokens from the message"
+        )
+    specials = _special_tokens(model)
+    pattern = re.compile("|".join(re.escape(t) for t, *_ in specials)) if specials else None
+    info = {t: (i, ls, rs) for t, i, ls, rs in specials}
+    # Fragments as llama.cpp's partition makes them: control tokens (markup
+    # only) and the raw text between them, markup and content joined.
+    ids: list[int] = []
+    raw: list[str] = []
+    strip_next = False  # the last control token strips whitespace to its right
+
+    def add(seg: str) -> None:
+        nonlocal strip_next
+        if strip_next:
+            seg = seg.lstrip()
+            strip_next = not seg
+        if seg:
+            raw.append(seg)
+
+    def flush(rstrip: bool) -> None:
+        text = "".join(raw)
+        raw.clear()
+        if rstrip:  # the next control token strips whitespace to its left
+            text = text.rstrip()
+        if text:
+            ids.extend(model.tokenize(text, add_special=False, parse_special=False))
+
+    for text, markup in pieces:
+        if not markup or pattern is None:
+            add(text)
+            continue
+        pos = 0
+        for m in pattern.finditer(text):
+            add(text[pos:m.start()])
+            tok, lstrip, rstrip = info[m.group(0)]
+            flush(lstrip)
+            ids.append(tok)
+            strip_next = rstrip
+            pos = m.end()
+        add(text[pos:])
+    flush(False)
+    return ids
+
