@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional
 
@@ -22,11 +23,34 @@ def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
 
 
+def _quiet_stdout() -> None:
+    """After a broken pipe (`mars run ... | head`): point stdout at /dev/null so the
+    interpreter's final flush of what is still buffered cannot fail (the recipe in
+    Python's signal module documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (tests)
+        pass
+
+
 class MarsGroup(TyperGroup):
-    """Every user error ends as one line on stderr and exit code 2, never a traceback."""
+    """Every user error ends as one line on stderr and exit code 2, never a traceback.
+
+    A reader that stops reading (`| head`) ends the command quietly with exit 0.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # before click turns it into exit 1
+            _quiet_stdout()
+            return 0
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         code = 0
+        opt.ARGV[:] = [str(a) for a in (sys.argv[1:] if args is None else args)]
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
@@ -46,6 +70,7 @@ class MarsGroup(TyperGroup):
             echo("aborted", err=True)
             code = 130
         except BrokenPipeError:
+            _quiet_stdout()
             code = 0
         except OSError as exc:
             where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
@@ -89,11 +114,21 @@ KIND_STYLE = {"draft": "green", "relaxed": "bold yellow", "target": ""}
 
 
 def read_prompt(prompt: Optional[str]) -> str:
-    """PROMPT, or standard input when PROMPT is '-' or absent and stdin is not a tty."""
+    """PROMPT, or standard input when PROMPT is '-' or absent and stdin is not a tty.
+
+    Bytes that are not UTF-8 (on stdin, or in PROMPT as Python's lone surrogates)
+    are replaced with U+FFFD, with one warning line.
+    """
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise MarsError("no prompt given (pass PROMPT, or '-' with text on standard input)")
-        prompt = sys.stdin.read()
+        buf = getattr(sys.stdin, "buffer", None)
+        if buf is not None:
+            prompt = opt.decode_utf8(buf.read(), "standard input")
+        else:
+            prompt = opt.valid_utf8(sys.stdin.read(), "standard input")
+    else:
+        prompt = opt.valid_utf8(prompt, "PROMPT")
     if not prompt.strip():
         raise MarsError("the prompt is empty")
     return prompt
@@ -114,8 +149,14 @@ def run(
     stats: bool = typer.Option(False, "--stats", "--verbose", "-v", help="Print a timing and acceptance summary to stderr."),
     gen: opt.GenOptions = None,
 ) -> None:
-    """Generate a completion for PROMPT (streamed as it is verified)."""
+    """Generate a completion for PROMPT (streamed as it is verified).
+
+    Ctrl-C ends the line, prints the partial statistics with --stats and exits 130;
+    a closed pipe (`| head`) ends quietly with exit 0.
+    """
     text = read_prompt(prompt)
+    if system is not None:
+        system = opt.valid_utf8(system, "--system")
     choice = gen.choice()
     cfg = gen.config(choice, n_predict)
     eng = gen.engine(choice)
@@ -125,17 +166,51 @@ def run(
             prompt_in = eng.chat_prompt(messages)
         else:
             prompt_in = text
-        if as_json:
-            out = eng.generate(prompt_in, cfg)
-            echo(json.dumps(out.to_dict(), ensure_ascii=False))
-        else:
-            out = eng.generate(prompt_in, cfg, on_chunk=_printer(show_acceptance, eng))
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+        try:
+            if as_json:
+                out = _generate(eng, prompt_in, cfg)
+                echo(json.dumps(out.to_dict(), ensure_ascii=False))
+            else:
+                out = _generate(eng, prompt_in, cfg, on_chunk=_printer(show_acceptance, eng))
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            if not as_json:
+                sys.stdout.write("\n")  # the cursor back at the start of a line
+                sys.stdout.flush()
+            s = getattr(eng, "last_stats", None)
+            if s is not None and not s.stop_reason:
+                s.stop_reason = "interrupted"
+            if stats and s is not None:
+                echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
+            raise typer.Exit(130) from None
+        if out.stats.stop_reason == "context":
+            echo(opt.context_full_note(eng), err=True)
         if stats:
-            echo(opt.format_stats(out.stats, choice), err=True)
+            echo(opt.format_stats(out.stats, choice, gen.context_line(eng)), err=True)
     finally:
         eng.close()
+
+
+def _generate(eng, prompt_in, cfg, on_chunk=None):
+    """Engine.generate, with the stream closed on any way out (Ctrl-C, a closed pipe)
+    so that ``eng.last_stats`` is final."""
+    from .engine import Generation
+
+    text, toks, kinds = [], [], []
+    stream = eng.stream(prompt_in, cfg)
+    try:
+        for chunk in stream:
+            text.append(chunk.text)
+            toks.extend(chunk.tokens)
+            kinds.extend(chunk.kinds)
+            if on_chunk is not None:
+                on_chunk(chunk)
+    finally:
+        close = getattr(stream, "close", None)
+        if close is not None:
+            close()
+    return Generation("".join(text), toks, kinds, eng.last_stats)
 
 
 def _printer(show_acceptance: bool, eng):

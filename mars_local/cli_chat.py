@@ -40,6 +40,8 @@ class ChatSession:
         self.messages: list[dict] = []
         self.last_stats = None
         self.reserve = reserve  # tokens kept free for the answer
+        self.interrupted = False
+        self.cut_by_context = False
 
     def _all_messages(self) -> list[dict]:
         head = [{"role": "system", "content": self.system}] if self.system else []
@@ -65,17 +67,23 @@ class ChatSession:
             dropped += 1
 
     def ask(self, text: str, on_chunk) -> str:
-        """One turn: stream the answer through on_chunk; Ctrl-C keeps what was said."""
+        """One turn: stream the answer through on_chunk; Ctrl-C keeps what was said.
+
+        Afterwards ``interrupted`` says whether Ctrl-C stopped it and
+        ``cut_by_context`` whether the end of the context did.
+        """
         before = list(self.messages)
+        self.interrupted = self.cut_by_context = False
         self.messages.append({"role": "user", "content": text})
         try:
             toks, dropped = self.prompt_tokens()
-        except MarsError:
+        except (MarsError, KeyboardInterrupt):
             self.messages = before  # nothing of the conversation is lost
             raise
         if dropped:
             echo(f"(context full: dropped the {dropped} oldest turn(s))", err=True)
-        cfg = replace(self.config, max_tokens=max(1, min(self.config.max_tokens, self.engine.n_ctx - len(toks) - 1)))
+        room = self.engine.n_ctx - len(toks) - 1
+        cfg = replace(self.config, max_tokens=max(1, min(self.config.max_tokens, room)))
         parts: list[str] = []
         stream = self.engine.stream(toks, cfg)
         try:
@@ -83,10 +91,16 @@ class ChatSession:
                 parts.append(chunk.text)
                 on_chunk(chunk)
         except KeyboardInterrupt:
-            stream.close()
-            parts.append("")
+            self.interrupted = True
             echo("\n(stopped)", err=True)
-        self.last_stats = self.engine.last_stats
+        finally:
+            stream.close()
+        self.last_stats = s = self.engine.last_stats
+        if s is not None and not self.interrupted:
+            # the answer was cut by the context, not by -n: say so (the engine stops
+            # with "length" when the cap above, not -n, was the limit)
+            capped = cfg.max_tokens < self.config.max_tokens and s.n_generated >= cfg.max_tokens
+            self.cut_by_context = s.stop_reason == "context" or (s.stop_reason == "length" and capped)
         answer = "".join(parts)
         self.messages.append({"role": "assistant", "content": answer})
         return answer
@@ -139,6 +153,8 @@ def chat(
     gen: opt.GenOptions = None,
 ) -> None:
     """Chat with a model in the terminal (/help for commands, Ctrl-D to leave)."""
+    if system is not None:
+        system = opt.valid_utf8(system, "--system")
     choice = gen.choice()
     cfg = gen.config(choice, n_predict)
     eng = gen.engine(choice)
@@ -166,6 +182,14 @@ def chat(
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:  # pragma: no cover - Windows
         pass
+    # Typed or piped bytes that are not UTF-8 reach us as lone surrogates (then
+    # replaced with U+FFFD, with a warning) instead of a UnicodeDecodeError.
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):  # pragma: no cover
+            pass
     try:
         while True:
             try:
@@ -176,6 +200,7 @@ def chat(
             except KeyboardInterrupt:
                 echo("")
                 continue
+            line = opt.valid_utf8(line, "this message")
             if not line.strip():
                 continue
             if line.startswith("/"):
@@ -189,7 +214,14 @@ def chat(
             except MarsError as exc:
                 echo(f"error: {exc}", err=True)
                 continue
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            except KeyboardInterrupt:  # before the answer started (rendering the prompt)
+                echo("\n(stopped)", err=True)
+                continue
+            if not session.interrupted:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            if session.cut_by_context:
+                echo(f"note: the answer stopped at the end of the context ({eng.n_ctx} tokens); "
+                     "/reset or a larger -c makes room", err=True)
     finally:
         eng.close()

@@ -11,14 +11,26 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
 import typer
+from typer import echo
+
+try:  # typer >= 0.25 vendors its own click
+    from typer._click.core import ParameterSource
+    from typer._click.globals import get_current_context
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click import get_current_context
+    from click.core import ParameterSource
 
 from .errors import MarsError
+
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
+ARGV: list[str] = []  # the command line as MarsGroup received it, to name a flag as the user typed it
 
 # Option objects are plain metadata, so each command reuses them as defaults.
 MODEL = typer.Option(None, "-m", "--model", help="Target GGUF: path, hf:REPO/FILE or registry name.")
@@ -50,12 +62,17 @@ TOP_K = typer.Option(40, "--top-k", help="Top-k truncation (0 = off).")
 TOP_P = typer.Option(0.95, "--top-p", help="Top-p truncation (1 = off).")
 MIN_P = typer.Option(0.05, "--min-p", help="Min-p truncation (0 = off).")
 SEED = typer.Option(-1, "-s", "--seed", help="Random seed; -1 = random.")
-CTX_SIZE = typer.Option(4096, "-c", "--ctx-size", help="Context size in tokens.")
-NGL = typer.Option(None, "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target GPU layers: N, auto or all.")
+CTX_SIZE = typer.Option(
+    4096, "-c", "--ctx-size",
+    help="Context size in tokens; 0 = the model's training context (a larger one than that is allowed, with a warning).",
+)
+NGL = typer.Option(
+    None, "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target GPU layers: N >= 0, auto, or all (= -1)."
+)
 NGLD = typer.Option(
     None, "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl", help="Draft GPU layers."
 )
-THREADS = typer.Option(None, "-t", "--threads", help="CPU threads (default: physical cores).")
+THREADS = typer.Option(None, "-t", "--threads", help=f"CPU threads, 1..{MAX_THREADS} (default: physical cores).")
 FAST_KERNELS = typer.Option(
     False, "--fast-kernels",
     help="Allow llama.cpp's repacked weight kernels for the target (~10%% faster on K-quants on CPU); "
@@ -77,15 +94,25 @@ def choose_models(
     model: Optional[str], model_draft: Optional[str], drafter: Optional[str], no_draft: bool
 ) -> ModelChoice:
     """Resolve -m/-md/--drafter/--no-draft against the registry defaults."""
-    from .registry import load_registry, model_path, resolve_model
+    from .registry import RegistryError, load_registry, model_path, needs_registry, resolve_model
 
     if no_draft and (model_draft is not None or drafter not in (None, "none")):
         raise MarsError("--no-draft contradicts -md/--model-draft and --drafter")
     if model_draft is not None and drafter not in (None, "model"):
         raise MarsError(f"-md/--model-draft contradicts --drafter {drafter}")
-    reg = load_registry()
+    # The registry is read only when a reference needs it (no -m, or a bare
+    # name): a broken models.yaml never stops `-m path/to/file.gguf`.
+    reg = None
+    if model is None:
+        reg = load_registry()
+    elif needs_registry(model):
+        try:
+            reg = load_registry()
+        except RegistryError:
+            if not Path(model).expanduser().exists():
+                raise
     theta, draft_max, draft = 0.9, 8, None
-    if model is None or model in reg.pairs:
+    if reg is not None and (model is None or model in reg.pairs):
         pair = reg.get(model or reg.default)
         target = model_path(pair, "target")
         theta, draft_max, label = pair.theta, pair.draft_max, pair.name
@@ -112,9 +139,12 @@ def gpu_layers(value: Optional[str], flag: str) -> Optional[int]:
     if value == "all":
         return -1
     try:
-        return int(value)
+        n = int(value)
     except ValueError:
         raise MarsError(f"{flag} must be a number, 'auto' or 'all', got {value!r}") from None
+    if n < -1:
+        raise MarsError(f"{flag} must be a number of layers >= 0, 'auto' or 'all' (= -1), got {n}")
+    return n
 
 
 def open_engine(
@@ -127,18 +157,91 @@ def open_engine(
 ):
     from .engine import Engine
 
-    if threads is not None and threads < 1:
-        raise MarsError(f"--threads must be >= 1, got {threads}")
+    check_threads(threads)
+    check_ctx_size(ctx_size)
     return Engine(
         choice.target,
         choice.draft,
         drafter=choice.drafter,
         n_ctx=ctx_size,
-        n_gpu_layers=gpu_layers(ngl, "-ngl"),
-        n_gpu_layers_draft=gpu_layers(ngld, "-ngld"),
+        n_gpu_layers=gpu_layers(ngl, flag_as_typed("ngl")),
+        n_gpu_layers_draft=gpu_layers(ngld, flag_as_typed("ngld")),
         n_threads=threads,
         exact_kernels=not fast_kernels,
     )
+
+
+def flag_as_typed(name: str) -> str:
+    """The spelling of a shared option the user typed (`--num-draft-tokens`, `-c`),
+    or its first spelling; an error message then names the flag the user knows."""
+    decls = _OPTION_INFO[name].param_decls
+    for tok in reversed(ARGV):
+        if tok == "--":
+            continue
+        head = tok.split("=", 1)[0] if tok.startswith("--") else tok
+        if head in decls:
+            return head
+    return decls[0]
+
+
+def warn(msg: str) -> None:
+    echo(f"warning: {msg}", err=True)
+
+
+def check_threads(threads: Optional[int]) -> None:
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise MarsError(f"{flag_as_typed('threads')} must be in 1..{MAX_THREADS} (ggml's limit), got {threads}")
+
+
+def check_ctx_size(ctx_size: int) -> None:
+    from . import runtime
+
+    max_ctx = getattr(runtime, "MAX_CTX", 1 << 30)  # llama.cpp's positions are 32-bit
+    if ctx_size < 0:
+        raise MarsError(f"{flag_as_typed('ctx_size')} must be >= 0 (0 = the model's training context), got {ctx_size}")
+    if ctx_size > max_ctx:
+        raise MarsError(f"{flag_as_typed('ctx_size')} {ctx_size} is too large (at most {max_ctx} tokens)")
+
+
+def valid_utf8(text: str, what: str) -> str:
+    """``text`` as valid Unicode: an argument holding bytes that are not UTF-8
+    (Python passes them as lone surrogates, 'caf\\udce9') has each bad byte
+    replaced with U+FFFD, with one warning line (llama.cpp's tokenizer does the
+    same replacement, silently)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # surrogates that did not come from undecodable bytes
+        raw = text.encode("utf-8", "surrogatepass")
+    warn(f"{what} is not valid UTF-8; each invalid byte was replaced with U+FFFD")
+    return raw.decode("utf-8", "replace")
+
+
+def decode_utf8(raw: bytes, what: str) -> str:
+    """Bytes read from standard input as text, invalid UTF-8 replaced as in :func:`valid_utf8`."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        warn(f"{what} is not valid UTF-8 (first bad byte at offset {exc.start}); "
+             "each invalid byte was replaced with U+FFFD")
+        return raw.decode("utf-8", "replace")
+
+
+def context_sizes(eng, ctx_size: int) -> tuple[int, int, int]:
+    """(used, requested, training) context sizes of a built engine (-c 0 = training)."""
+    train = getattr(eng, "n_ctx_train", None) or getattr(getattr(eng, "target", None), "n_ctx_train", 0) or 0
+    requested = getattr(eng, "n_ctx_requested", None)
+    if not requested:
+        requested = ctx_size if ctx_size > 0 else train
+    return int(eng.n_ctx), int(requested), int(train)
+
+
+def context_full_note(eng) -> str:
+    return f"note: stopped: the context ({eng.n_ctx} tokens) is full; a larger -c makes room"
 
 
 def make_config(choice: ModelChoice, *, theta, draft_max, **options):
@@ -152,11 +255,13 @@ def make_config(choice: ModelChoice, *, theta, draft_max, **options):
     )
 
 
-def format_stats(s, choice: ModelChoice) -> str:
-    """An ollama-style summary with the speculation counters."""
+def format_stats(s, choice: ModelChoice, context: Optional[str] = None) -> str:
+    """An ollama-style summary with the speculation counters (``context``: see
+    :meth:`GenOptions.context_line`)."""
     share = f", {s.relaxed_share:.0%} of accepts relaxed" if s.n_accepted else ""
     lines = [
         f"model:                {choice.label} (drafter: {choice.drafter})",
+        *([f"context size:         {context}"] if context else []),
         f"prompt eval count:    {s.n_prompt} token(s) ({s.n_prompt_evaluated} evaluated, rest reused from cache)",
         f"prompt eval duration: {s.time_prompt_s * 1000:.1f} ms",
         f"eval count:           {s.n_generated} token(s)",
@@ -172,7 +277,7 @@ def format_stats(s, choice: ModelChoice) -> str:
         ),
         f"draft length:         {'adaptive' if s.adaptive else 'fixed'}"
         + (f", mean k {sum(s.k_per_round) / len(s.k_per_round):.2f}" if s.k_per_round else ""),
-        f"stop reason:          {s.stop_reason}",
+        f"stop reason:          {s.stop_reason or 'interrupted'}",
     ]
     return "\n".join(lines)
 
@@ -204,7 +309,21 @@ class GenOptions:
     threads: Optional[int] = None
     fast_kernels: bool = False
 
+    explicit = frozenset()  # the options given on the command line (set by generation_options)
+
+    def check(self) -> None:
+        """Refuse impossible flags before anything is loaded (one line naming the flag as typed)."""
+        from .engine import MAX_DRAFT
+
+        check_ctx_size(self.ctx_size)
+        check_threads(self.threads)
+        gpu_layers(self.ngl, flag_as_typed("ngl"))
+        gpu_layers(self.ngld, flag_as_typed("ngld"))
+        if self.draft_max is not None and not 0 <= self.draft_max <= MAX_DRAFT:
+            raise MarsError(f"{flag_as_typed('draft_max')} must be in 0..{MAX_DRAFT}, got {self.draft_max}")
+
     def choice(self) -> ModelChoice:
+        self.check()
         return choose_models(self.model, self.model_draft, self.drafter, self.no_draft)
 
     def config(self, choice: ModelChoice, max_tokens: int):
@@ -216,7 +335,31 @@ class GenOptions:
         )
 
     def engine(self, choice: ModelChoice):
-        return open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels)
+        """The Engine, then one warning line per questionable setting (as llama.cpp does)."""
+        eng = open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels)
+        cores = os.cpu_count()
+        if self.threads is not None and cores and self.threads > cores:
+            warn(f"{flag_as_typed('threads')} {self.threads} is more than the {cores} CPU cores here; "
+                 "it will likely be slower than -t " + str(cores))
+        used, requested, train = context_sizes(eng, self.ctx_size)
+        if "ctx_size" in self.explicit and self.ctx_size > 0:
+            c = f"{flag_as_typed('ctx_size')} {self.ctx_size}"
+            if train and requested > train:
+                warn(f"{c} is larger than the model's training context ({train})"
+                     + (f"; using {used}" if used < requested else "; output may degrade past it"))
+            elif used < requested:
+                warn(f"{c}: the context holds only {used} tokens")
+        return eng
+
+    def context_line(self, eng) -> str:
+        """The context size used, and what was asked for when it differs."""
+        used, requested, train = context_sizes(eng, self.ctx_size)
+        c = flag_as_typed("ctx_size")
+        if self.ctx_size == 0:
+            return f"{used} tokens ({c} 0: the model's training context)"
+        if used != requested:
+            return f"{used} tokens ({c} {self.ctx_size})"
+        return f"{used} tokens"
 
 
 _OPTION_INFO = {
@@ -247,6 +390,11 @@ def generation_options(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         gen = GenOptions(**{f.name: kwargs.pop(f.name) for f in fields(GenOptions)})
+        ctx = get_current_context(silent=True)
+        if ctx is not None:
+            gen.explicit = frozenset(
+                f.name for f in fields(GenOptions) if ctx.get_parameter_source(f.name) == ParameterSource.COMMANDLINE
+            )
         return fn(*args, gen=gen, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + shared)

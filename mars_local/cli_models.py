@@ -106,7 +106,12 @@ def doctor_report() -> dict:
         native_ok = bool(native.available())
     except ImportError:
         native_ok = False
-    _, rows = registry_rows()
+    # a broken registry is one failed check; the others still run
+    try:
+        reg, rows = registry_rows()
+        registry = {"sources": reg.sources, "problem": None}
+    except MarsError as exc:
+        rows, registry = [], {"sources": None, "problem": " ".join(str(exc).split())}
     from .learned import default_store
 
     store = default_store()
@@ -119,6 +124,7 @@ def doctor_report() -> dict:
         "native_hot_path": native_ok,
         "verify_backend": "native" if native_ok else "numpy",
         "system_info": info["system_info"],
+        "registry": registry,
         "models": {
             r["name"]: all(p["present"] for p in [r["target"]] + ([r["draft"]] if r["draft"] else [])) for r in rows
         },
@@ -154,7 +160,10 @@ def doctor(
         False, "--reset-learned", help="Forget what the adaptive draft length learned (window costs, acceptance)."
     ),
 ) -> None:
-    """What this installation can do: llama.cpp build, backend, GPU offload, hot path, models, learned state."""
+    """What this installation can do: llama.cpp build, backend, GPU offload, hot path, models, learned state.
+
+    Exits 1 when a check failed (an unreadable models.yaml), after reporting all of them.
+    """
     if reset_learned:
         from .learned import default_store
 
@@ -163,17 +172,27 @@ def doctor(
         echo(f"forgot {n} learned-state entr{'y' if n == 1 else 'ies'} ({store.path})")
         return
     rep = doctor_report()
+    failed = rep["registry"]["problem"] is not None
     if as_json:
         echo(json.dumps(rep, indent=2))
+        if failed:
+            raise typer.Exit(1)
         return
     avail = [n for n, ok in rep["models"].items() if ok]
+    reg = rep["registry"]
+    if failed:
+        reg_line, models_line = f"FAILED: {reg['problem']}", "unknown (the registry could not be read)"
+    else:
+        reg_line = "ok (" + ", ".join(reg["sources"]) + ")"
+        models_line = ", ".join(avail) if avail else "none (mars pull NAME)"
     lines = [
         f"mars-local:           {rep['mars_local']}",
         f"llama-cpp-python:     {rep['llama_cpp_python']}",
         f"backend:              {rep['backend']}",
         f"GPU offload:          {'yes' if rep['gpu_offload'] else 'no (CPU build; rebuild with CMAKE_ARGS=-DGGML_CUDA=on or -DGGML_METAL=on)'}",
         f"native hot path:      {'yes' if rep['native_hot_path'] else 'no (verification runs in numpy)'}",
-        f"models on this disk:  {', '.join(avail) if avail else 'none (mars pull NAME)'}",
+        f"model registry:       {reg_line}",
+        f"models on this disk:  {models_line}",
         f"system:               {rep['system_info']}",
         f"learned state:        {len(rep['learned']['entries'])} entr{'y' if len(rep['learned']['entries']) == 1 else 'ies'}"
         f" in {rep['learned']['path']}" + (f" ({rep['learned']['problem']})" if rep["learned"]["problem"] else "")
@@ -184,3 +203,6 @@ def doctor(
         where = " · ".join(p.split("@")[0] for p in parts if len(p) != 12 or "@" in p)  # names, not hashes
         lines.append(f"  {kind:<7} {where}: {v}")
     echo("\n".join(lines))
+    if failed:
+        echo("error: a check failed: model registry (see above)", err=True)
+        raise typer.Exit(1)

@@ -23,14 +23,26 @@ import yaml
 
 from .errors import MarsError
 
-__all__ = ["ModelFile", "Pair", "Registry", "load_registry", "model_path", "resolve_model", "user_config_dir"]
+__all__ = [
+    "ModelFile", "Pair", "Registry", "RegistryError", "load_registry", "model_path", "resolve_model",
+    "user_config_dir", "needs_registry",
+]
 
 BUNDLED_REGISTRY = Path(__file__).resolve().parent / "models.yaml"
 DRAFTERS = ("model", "ngram", "none")
 
 
+class RegistryError(MarsError):
+    """A models.yaml that cannot be used; the message names the file (and the line when known).
+
+    Only commands that need the registry fail with it: a model given as a path
+    or hf: reference never reads the registry (see :func:`needs_registry`).
+    """
+
+
 def user_config_dir() -> Path:
-    """Platform config dir (MARS_CONFIG_DIR overrides), via click's get_app_dir."""
+    """Platform config dir, via click's get_app_dir; the environment variable
+    MARS_CONFIG_DIR overrides it (the user's models.yaml lives there)."""
     env = os.environ.get("MARS_CONFIG_DIR")
     if env:
         return Path(env)
@@ -91,28 +103,39 @@ def _hf_cached(repo: str, filename: str) -> Path | None:
     return Path(hit) if isinstance(hit, str) and Path(hit).exists() else None
 
 
+class _EntryError(Exception):
+    """A bad field of one registry entry: `field` is its key path inside the entry."""
+
+    def __init__(self, msg: str, *field: str):
+        super().__init__(msg)
+        self.field = field
+
+
 def _model_file(name: str, role: str, spec) -> ModelFile:
     if not isinstance(spec, dict) or "file" not in spec or not (("repo" in spec) ^ ("package" in spec)):
-        raise MarsError(f"registry entry {name!r}: {role} needs 'file' and exactly one of 'repo' or 'package'")
-    return ModelFile(file=str(spec["file"]), repo=spec.get("repo"), package=spec.get("package"))
+        raise _EntryError(f"{role} needs 'file' and exactly one of 'repo' or 'package'", role)
+    for key in ("file", "repo", "package"):
+        if key in spec and not isinstance(spec[key], str):
+            raise _EntryError(f"{role}.{key} must be a string, got {spec[key]!r}", role, key)
+    return ModelFile(file=spec["file"], repo=spec.get("repo"), package=spec.get("package"))
 
 
 def _parse_pair(name: str, raw) -> Pair:
     if not isinstance(raw, dict):
-        raise MarsError(f"registry entry {name!r} must be a mapping")
+        raise _EntryError("must be a mapping")
     target = _model_file(name, "target", raw.get("target"))
     draft = _model_file(name, "draft", raw["draft"]) if raw.get("draft") is not None else None
     drafter = raw.get("drafter", "model" if draft else "none")
-    if drafter not in DRAFTERS:
-        raise MarsError(f"registry entry {name!r}: drafter must be one of {', '.join(DRAFTERS)}")
+    if not isinstance(drafter, str) or drafter not in DRAFTERS:
+        raise _EntryError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}", "drafter")
     if drafter == "model" and draft is None:
-        raise MarsError(f"registry entry {name!r}: drafter 'model' needs a draft")
-    theta = float(raw.get("theta", 0.9))
-    if not 0.0 < theta <= 1.0:
-        raise MarsError(f"registry entry {name!r}: theta must be in (0, 1]")
-    draft_max = int(raw.get("draft_max", 8))
-    if draft_max < 0:
-        raise MarsError(f"registry entry {name!r}: draft_max must be >= 0")
+        raise _EntryError("drafter 'model' needs a draft", "drafter")
+    theta = raw.get("theta", 0.9)
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0.0 < theta <= 1.0:
+        raise _EntryError(f"theta must be a number in (0, 1], got {theta!r}", "theta")
+    draft_max = raw.get("draft_max", 8)
+    if isinstance(draft_max, bool) or not isinstance(draft_max, int) or not 0 <= draft_max <= 63:
+        raise _EntryError(f"draft_max must be a whole number in 0..63, got {draft_max!r}", "draft_max")
     known = {"description", "target", "draft", "drafter", "theta", "draft_max"}
     return Pair(
         name=name,
@@ -120,7 +143,7 @@ def _parse_pair(name: str, raw) -> Pair:
         target=target,
         draft=draft,
         drafter=drafter,
-        theta=theta,
+        theta=float(theta),
         draft_max=draft_max,
         extra={k: v for k, v in raw.items() if k not in known},
     )
@@ -141,31 +164,103 @@ class Registry:
             ) from None
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path) -> tuple[dict, str]:
+    """The registry file's mapping and its text; every failure is one RegistryError
+    line naming the file and, where YAML knows it, the line."""
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise MarsError(f"cannot read model registry {path}: {exc}".splitlines()[0]) from None
-    if not isinstance(data, dict) or not isinstance(data.get("models", {}), dict):
-        raise MarsError(f"model registry {path} must be a mapping with a 'models' mapping")
-    return data
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise RegistryError(f"cannot read model registry {path}: {exc.strerror or exc}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise RegistryError(
+            f"model registry {path}, line {line}: not UTF-8 text (byte 0x{raw[exc.start]:02x}); "
+            "is it a binary file?"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        what = " ".join(p for p in (exc.context, exc.problem) if p) or "not valid YAML"
+        raise RegistryError(f"model registry {path}{where}: {what}") from None
+    except yaml.reader.ReaderError as exc:
+        line = text[: exc.position].count("\n") + 1
+        char = f"#x{exc.character:04x}" if isinstance(exc.character, int) else repr(exc.character)
+        raise RegistryError(
+            f"model registry {path}, line {line}: character {char} is not allowed in YAML; is it a binary file?"
+        ) from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        first = (str(exc).splitlines() or ["not valid YAML"])[0]
+        raise RegistryError(f"model registry {path}: {first}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict) or not isinstance(data.get("models") or {}, dict):
+        raise RegistryError(f"model registry {path} must be a mapping with a 'models' mapping")
+    if "default" in data and not isinstance(data["default"], str):
+        raise RegistryError(f"model registry {path}: 'default' must be a model name, got {data['default']!r}")
+    return data, text
+
+
+def _line_of(text: str, keys) -> int | None:
+    """The 1-based line of the key path ``keys`` in a YAML text (None if not found)."""
+    try:
+        node = yaml.compose(text)
+    except Exception:  # noqa: BLE001 - only a hint for a message
+        return None
+    line = None
+    for key in keys:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.value == str(key):
+                line, node = k.start_mark.line + 1, v
+                break
+        else:
+            break
+    return line
 
 
 def load_registry(extra: Path | None = None) -> Registry:
-    """The bundled registry merged with the user's (entry by entry)."""
+    """The bundled registry merged with the user's (entry by entry).
+
+    Raises :class:`RegistryError` (one line naming the file, and the line or the
+    field) when a file cannot be used.
+    """
     files = [BUNDLED_REGISTRY]
     user = extra if extra is not None else user_config_dir() / "models.yaml"
     if user.exists():
         files.append(user)
-    default, raw_models = None, {}
+    default, default_from, raw_models = None, None, {}
     for f in files:
-        data = _read_yaml(f)
-        default = data.get("default", default)
-        raw_models.update(data.get("models") or {})
-    pairs = {name: _parse_pair(name, raw) for name, raw in raw_models.items()}
+        data, text = _read_yaml(f)
+        if "default" in data:
+            default, default_from = data["default"], f
+        for name, raw in (data.get("models") or {}).items():
+            raw_models[name] = (raw, f, text)
+    pairs = {}
+    for name, (raw, f, text) in raw_models.items():
+        try:
+            pairs[name] = _parse_pair(name, raw)
+        except _EntryError as exc:
+            line = _line_of(text, ["models", name, *exc.field])
+            where = f", line {line}" if line else ""
+            raise RegistryError(f"model registry {f}{where}: entry {name!r}: {exc}") from None
     if default not in pairs:
-        raise MarsError(f"the registry's default model {default!r} is not one of its entries")
+        raise RegistryError(
+            f"model registry {default_from}: the default model {default!r} is not one of its entries "
+            f"({', '.join(sorted(map(str, pairs)))})"
+        )
     return Registry(default=default, pairs=pairs, sources=[str(f) for f in files])
+
+
+def needs_registry(ref: str) -> bool:
+    """Whether a model reference can only be resolved through the registry: a
+    bare name (a path, a *.gguf name or an hf: reference never needs it)."""
+    seps = [os.sep] + ([os.altsep] if os.altsep else [])
+    return not (ref.startswith("hf:") or ref.endswith(".gguf") or any(s in ref for s in seps))
 
 
 def resolve_model(ref: str, registry: Registry | None = None) -> Path:
@@ -181,7 +276,7 @@ def resolve_model(ref: str, registry: Registry | None = None) -> Path:
             raise MarsError(f"{ref} is not in the Hugging Face cache; download it first with `mars pull` ")
         return hit
     p = Path(ref).expanduser()
-    if p.exists() or ref.endswith(".gguf") or os.sep in ref:
+    if p.exists() or not needs_registry(ref):
         return p  # the loader reports a missing or invalid file clearly
     reg = registry or load_registry()
     if ref in reg.pairs:

@@ -1,0 +1,259 @@
+"""Hostile input at the command line (issue 11): bytes that are not UTF-8, a broken
+user registry, impossible flags, a full context, a closed pipe and Ctrl-C.
+
+The contract: one clear line on stderr, a non-zero exit code, no traceback.
+Most tests run the real entry point in a subprocess, with real bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tinymodels import make_tiny_llama
+
+from mars_local.cli import app
+
+runner = CliRunner()
+MARS = [sys.executable, "-m", "mars_local"]
+
+
+def invoke(*args, input=None, env=None):
+    return runner.invoke(app, [str(a) for a in args], input=input, env=env)
+
+
+def mars(*args, input=None, env=None, timeout=120):
+    """The real entry point in a subprocess; bytes arguments and input go through as they are."""
+    argv = [a if isinstance(a, bytes) else str(a) for a in args]
+    return subprocess.run(MARS + argv, input=input, capture_output=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def err_lines(p) -> list[str]:
+    text = p.stderr.decode("utf-8", "replace") if isinstance(p.stderr, bytes) else p.stderr
+    assert "Traceback" not in text, text
+    return text.strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def empty_config(tmp_path_factory):
+    """A user config dir without models.yaml (the user's own never leaks into a test)."""
+    return {"MARS_CONFIG_DIR": str(tmp_path_factory.mktemp("cfg-empty"))}
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory) -> Path:
+    """A tiny model with an 8192-token training context (long generations, slowly with
+    a 63-token draft and no adaptation: time to close a pipe or press Ctrl-C)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("long") / "long.gguf", seed=0, n_ctx=8192)
+
+
+def slow_run(long_model, tiny_draft, *extra):
+    return ["run", "the world zz", "-m", long_model, "-md", tiny_draft, "--verify", "strict", "--no-adaptive",
+            "--draft-max", "63", "-c", "8192", "-n", "8000", "-t", "1", *extra]
+
+
+# ------------------------------------------------------- 1. bytes that are not UTF-8
+def test_stdin_that_is_not_utf8_is_replaced_with_one_warning(tiny_target, empty_config):
+    p = mars("run", "-", "-m", tiny_target, "-t", 1, "-n", 4, "--json", input=b"caf\xe9 the a", env=empty_config)
+    assert p.returncode == 0, p.stderr
+    err = err_lines(p)
+    assert len(err) == 1 and err[0].startswith("warning:") and "UTF-8" in err[0], err
+    same = mars("run", "caf\ufffd the a", "-m", tiny_target, "-t", 1, "-n", 4, "--json", env=empty_config)
+    assert json.loads(p.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
+
+
+def test_an_argument_with_a_lone_surrogate_is_replaced_with_one_warning(tiny_target, empty_config):
+    # $'caf\xe9' reaches Python as 'caf\udce9'
+    p = mars("run", b"caf\xe9 the a", "-m", tiny_target, "-t", 1, "-n", 4, "--json", env=empty_config)
+    assert p.returncode == 0, p.stderr
+    err = err_lines(p)
+    assert len(err) == 1 and err[0].startswith("warning:") and "UTF-8" in err[0], err
+    same = mars("run", "caf\ufffd the a", "-m", tiny_target, "-t", 1, "-n", 4, "--json", env=empty_config)
+    assert json.loads(p.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
+    # the system prompt too (and it goes through the chat template)
+    p = mars("run", "hi", "--system", b"be \xff brief", "-m", tiny_target, "-t", 1, "-n", 2, "--json", env=empty_config)
+    assert p.returncode == 0 and any("UTF-8" in e for e in err_lines(p))
+
+
+def test_chat_input_that_is_not_utf8_is_replaced_with_one_warning(tiny_target, empty_config):
+    p = mars("chat", "-m", tiny_target, "-t", 1, "-n", 4, input=b"caf\xe9 the a\n/quit\n", env=empty_config)
+    assert p.returncode == 0, p.stderr
+    assert any(e.startswith("warning:") and "UTF-8" in e for e in err_lines(p))
+
+
+# ------------------------------------------------------- 2. a broken user models.yaml
+BROKEN = {
+    "bad yaml": (b"default: smollm2-135m\nmodels:\n  mine: [unclosed\n", ["line"]),
+    "theta not a number": (
+        b"models:\n  mine:\n    target: {repo: me/x-GGUF, file: x.gguf}\n    drafter: ngram\n    theta: high\n",
+        ["mine", "theta", "high"],
+    ),
+    "binary file": (bytes(range(256)) * 4, ["utf-8"]),
+    "nul byte": (b"models:\n  mine:\n    description: a\x00b\n", ["line 3"]),
+    "not a mapping": (b"- a\n- b\n", ["mapping"]),
+    "bad default": (b"default: nothing-here\n", ["default", "nothing-here"]),
+}
+
+
+@pytest.fixture(params=sorted(BROKEN))
+def broken_registry(request, tmp_path):
+    data, needles = BROKEN[request.param]
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "models.yaml").write_bytes(data)
+    return {"MARS_CONFIG_DIR": str(cfg)}, cfg / "models.yaml", needles
+
+
+def test_a_broken_registry_is_one_line_naming_the_file(broken_registry):
+    env, path, needles = broken_registry
+    r = invoke("models", env=env)
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert str(path) in lines[0]
+    for needle in needles:
+        assert needle.lower() in lines[0].lower(), (needle, lines[0])
+
+
+def test_a_broken_registry_does_not_stop_a_run_of_a_file(broken_registry, tiny_target):
+    env, path, _ = broken_registry
+    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "--json", env=env)
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert json.loads(r.stdout)["stats"]["n_generated"] >= 1
+    # a registry name does need it: the error names the file
+    r = invoke("run", "hello", "-m", "smollm2-135m", "-n", 2, env=env)
+    assert r.exit_code == 2 and str(path) in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+
+
+def test_doctor_reports_a_broken_registry_and_goes_on(broken_registry):
+    env, path, _ = broken_registry
+    r = invoke("doctor", env=env)
+    assert r.exit_code == 1, (r.output, r.exception)
+    assert "backend:" in r.stdout and "learned state:" in r.stdout  # the other checks still ran
+    assert str(path) in r.stdout and "FAILED" in r.stdout
+    j = invoke("doctor", "--json", env=env)
+    assert j.exit_code == 1, (j.output, j.exception)
+    rep = json.loads(j.stdout)
+    assert str(path) in rep["registry"]["problem"] and rep["backend"]
+
+
+def test_doctor_reports_a_sound_registry(empty_config):
+    rep = json.loads(invoke("doctor", "--json", env=empty_config).stdout)
+    assert rep["registry"]["problem"] is None and rep["models"]["smollm2-135m"] is True
+
+
+# ------------------------------------------------------- 3. impossible flags
+FLAG_CASES = {
+    "negative context": (["-c", "-1"], "-c"),
+    "negative context (long spelling)": (["--ctx-size", "-5"], "--ctx-size"),
+    "absurd context": (["-c", str(2**40)], "-c"),
+    "threads zero": (["-t", "0"], "-t"),
+    "threads above ggml's maximum": (["-t", "999"], "-t"),
+    "gpu layers below -1": (["-ngl", "-5"], "-ngl"),
+    "draft gpu layers below -1": (["-ngld", "-2"], "-ngld"),
+    "draft-max too large": (["--draft-max", "1000"], "--draft-max"),
+    "draft-max alias": (["--num-draft-tokens", "64"], "--num-draft-tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLAG_CASES))
+def test_impossible_flags_are_refused_before_any_model_loads(case, tmp_path, empty_config):
+    flags, needle = FLAG_CASES[case]
+    missing = tmp_path / "missing.gguf"  # the flag error must come first
+    r = invoke("run", "hi", "-m", missing, *flags, env=empty_config)
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert needle in lines[0].split(":")[1] or needle in lines[0], lines[0]
+    assert "not found" not in lines[0]
+
+
+def test_threads_above_the_core_count_warn(tiny_target, empty_config):
+    n = (os.cpu_count() or 1) + 1
+    r = invoke("run", "hello", "-m", tiny_target, "-n", 2, "-t", n, "--json", env=empty_config)
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning:") and f"-t {n}" in lines[0], r.stderr
+
+
+def test_a_context_beyond_training_warns_once(tiny_target, empty_config):
+    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "-c", 4096, "--json", env=empty_config)
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning:"), r.stderr
+    assert "-c 4096" in lines[0] and "training context (1024)" in lines[0]
+    # not when the user asked for nothing (the default), nor within the training context
+    for extra in ([], ["-c", "1024"], ["-c", "0"]):
+        r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "--json", *extra, env=empty_config)
+        assert r.exit_code == 0 and r.stderr == "", (extra, r.stderr)
+
+
+def test_ctx_zero_means_the_training_context_and_stats_show_the_size(tiny_target, empty_config):
+    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "-c", 0, "--stats", env=empty_config)
+    assert r.exit_code == 0, r.output
+    assert "context size:         1024 tokens" in r.stderr, r.stderr
+    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "-c", 64, "--stats", env=empty_config)
+    line = next(ln for ln in r.stderr.splitlines() if ln.startswith("context size:"))
+    assert "-c 64" in line, line  # the size used, and what was asked for when they differ
+
+
+# ------------------------------------------------------- 4. a full context
+def test_run_says_when_the_context_filled(tiny_target, empty_config):
+    r = invoke("run", "a b c", "-m", tiny_target, "-t", 1, "-c", 64, "-n", 1000, env=empty_config)
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("note:") and "context" in lines[0] and "full" in lines[0], r.stderr
+    # and not when the generation ended otherwise
+    r = invoke("run", "a b c", "-m", tiny_target, "-t", 1, "-c", 1024, "-n", 10, env=empty_config)
+    assert r.exit_code == 0 and r.stderr == "", r.stderr
+
+
+def test_chat_says_when_an_answer_was_cut_by_the_context(tiny_target, empty_config):
+    p = mars("chat", "-m", tiny_target, "-t", 1, "-c", 64, "-n", 1000, input=b"a b c\n", env=empty_config)
+    assert p.returncode == 0, p.stderr
+    assert any(e.startswith("note:") and "context" in e for e in err_lines(p)), p.stderr
+
+
+# ------------------------------------------------------- 5. a closed pipe
+def test_a_closed_pipe_exits_0_quietly(long_model, tiny_draft, empty_config):
+    proc = subprocess.Popen(MARS + [str(a) for a in slow_run(long_model, tiny_draft)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **empty_config})
+    head = proc.stdout.read(20)  # `| head -c 20`
+    proc.stdout.close()
+    rc = proc.wait(timeout=120)
+    err = proc.stderr.read().decode()
+    assert len(head) == 20
+    assert rc == 0, (rc, err)
+    assert err == "", err
+
+
+# ------------------------------------------------------- 6. Ctrl-C
+def test_ctrl_c_ends_the_line_prints_partial_stats_and_exits_130(long_model, tiny_draft, empty_config):
+    proc = subprocess.Popen(MARS + [str(a) for a in slow_run(long_model, tiny_draft, "--stats")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **empty_config})
+    first = proc.stdout.read(1)  # the answer is streaming
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    out, err = (first + out).decode("utf-8", "replace"), err.decode()
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert "Traceback" not in err, err
+    assert out.endswith("\n")  # the cursor is back at the start of a line
+    assert "eval count:" in err and "stop reason:          interrupted" in err, err
+    n = int(err.split("eval count:")[1].split()[0])
+    assert 0 < n < 8000
+
+
+# ------------------------------------------------------- 7. chat
+def test_chat_at_end_of_input_leaves_cleanly(tiny_target, empty_config):
+    p = mars("chat", "-m", tiny_target, "-t", 1, "-n", 4, input=b"hello\n", env=empty_config)
+    assert p.returncode == 0, p.stderr
+    err_lines(p)
