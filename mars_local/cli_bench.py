@@ -169,11 +169,13 @@ def bench(
     for path in (json_path, plot_path):
         if path is not None and not path.parent.is_dir():
             raise MarsError(f"cannot write {path}: no such directory {path.parent}")
-    B.check_metrics(p.metric for p in prompt_list if p.scored)  # the bench extra, before any model is loaded
     if plot_path is not None:
-        B.check_plot()
+        B.check_plot()  # the bench extra, before any model is loaded
 
     err = Console(stderr=True)
+    unscored = B.unscored_note(B.unavailable_metrics(p.metric for p in prompt_list if p.scored))
+    if unscored:
+        err.print(f"warning: {unscored}", highlight=False, markup=False, soft_wrap=True)
     n_runs = len(B.plan_runs(settings))
     err.print(
         f"mars bench: {label}, drafters {', '.join(drafters)}, {len(prompt_list)} prompts × {n_runs} configurations, "
@@ -209,7 +211,7 @@ def bench(
     for table in B.render_tables(result, title):
         out.print(table)
     for note in result.notes:
-        err.print(f"note: {note}", highlight=False, soft_wrap=True)
+        err.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     if json_path is not None:
         B.write_json(result, json_path)
         err.print(f"wrote {json_path}", highlight=False, soft_wrap=True)

@@ -583,25 +583,32 @@ def no_bench_extra(monkeypatch):
 
 def test_metrics_without_the_bench_extra_are_a_one_line_hint(no_bench_extra):
     assert B.task_score("exact", "Answer: 2", "2") == 1.0 and B.task_score("exact_contains", "PARIS", "Paris") == 1.0
-    B.check_metrics(["exact", "exact_contains", None])
+    assert B.unavailable_metrics(["exact", "exact_contains", None]) == {}
     for metric, fn in (("rougeL", B.score_rouge_l), ("chrf", B.score_chrf)):
         with pytest.raises(MarsError, match=r"mars-local\[bench\]") as e:
             fn("a b", "a b")
         assert "\n" not in str(e.value)
-        with pytest.raises(MarsError, match=metric):
-            B.check_metrics(["exact", metric])
+        missing = B.unavailable_metrics(["exact", metric])
+        assert list(missing) == [metric] and "mars-local[bench]" in missing[metric]
     with pytest.raises(MarsError, match=r"matplotlib; install mars-local\[bench\]"):
         B.check_plot()
 
 
 def test_cli_bench_without_the_bench_extra(no_bench_extra, tiny_target, tmp_path):
     ok = invoke("bench", "--quick", "-m", tiny_target, "--categories", "math,rag", "--no-peers")
-    assert ok.exit_code == 0, ok.output
-    for extra in (["--categories", "summarization"], ["--categories", "math", "--plot", tmp_path / "b.png"]):
-        r = invoke("bench", "--quick", "-m", tiny_target, "--no-peers", *extra)
-        assert r.exit_code == 2, r.output
-        err = r.stderr.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error:") and "mars-local[bench]" in err[0], r.stderr
+    assert ok.exit_code == 0 and "not scored" not in ok.stderr, ok.output
+    # summaries are timed but not scored: one warning, a result without a quality score
+    out = tmp_path / "b.json"
+    r = invoke("bench", "--quick", "-m", tiny_target, "--no-peers", "--categories", "summarization", "--json", out)
+    assert r.exit_code == 0, r.output
+    assert "warning: rougeL prompts are timed but not scored" in r.stderr and "mars-local[bench]" in r.stderr
+    doc = json.loads(out.read_text())
+    assert any("not scored" in n for n in doc["meta"]["notes"])
+    assert doc["runs"] and all(row["task_score"] is None for row in doc["runs"]), doc["runs"]
+    r = invoke("bench", "--quick", "-m", tiny_target, "--no-peers", "--categories", "math", "--plot", tmp_path / "b.png")
+    assert r.exit_code == 2, r.output
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "mars-local[bench]" in err[0], r.stderr
 
 
 def test_the_cli_does_not_import_the_bench_extra():

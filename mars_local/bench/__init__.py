@@ -75,7 +75,8 @@ from .config import (
 )
 from .metrics import (
     METRICS,
-    check_metrics,
+    unavailable_metrics,
+    unscored_note,
     common_prefix_len,
     extract_answer,
     score_chrf,
@@ -122,7 +123,8 @@ __all__ = [
     "score_contains",
     "score_rouge_l",
     "score_chrf",
-    "check_metrics",
+    "unavailable_metrics",
+    "unscored_note",
     "common_prefix_len",
     "TargetScorer",
     "LlamaCppPythonPeer",

@@ -2,8 +2,9 @@
 
 ``exact`` and ``exact_contains`` are plain Python.  ROUGE-L (``rouge-score``) and
 chrF (``sacrebleu``) come with the ``bench`` extra and are imported on first
-use; without them, asking for one is a one-line :class:`MarsError` that says
-what to install.
+use; without them a scorer raises a one-line :class:`MarsError` that says what
+to install, and a benchmark times those prompts but leaves them unscored
+(:func:`unavailable_metrics`).
 """
 
 from __future__ import annotations
@@ -93,13 +94,27 @@ def task_score(metric: str | None, output: str, reference: str | None) -> float 
     return fn(output, reference)
 
 
-def check_metrics(metrics) -> None:
-    """Load the libraries of these metrics now: a MarsError names a missing one
-    before any model is loaded, not after the first prompt's generations."""
+def unavailable_metrics(metrics) -> dict[str, str]:
+    """Those of ``metrics`` whose library is missing, each with its one-line hint.
+
+    Loads the libraries now, so a benchmark knows before any model is loaded.
+    """
     loaders = {"rougeL": _rouge, "chrf": _chrf}
+    missing = {}
     for m in dict.fromkeys(metrics):
         if m in loaders:
-            loaders[m]()
+            try:
+                loaders[m]()
+            except MarsError as exc:
+                missing[m] = str(exc)
+    return missing
+
+
+def unscored_note(missing: dict[str, str]) -> str | None:
+    """The warning a benchmark prints when some prompts cannot be scored."""
+    if not missing:
+        return None
+    return f"{', '.join(missing)} prompts are timed but not scored: {BENCH_EXTRA_HINT}"
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from ..errors import MarsError
 from .config import PEER_COMPLETION, PEER_LCP, PEER_SPEC, BenchResult, BenchSettings, RunConfig, Sample, plan_runs
-from .metrics import check_metrics, task_score
+from .metrics import task_score, unavailable_metrics, unscored_note
 from .peers import LlamaCppBinaryPeer, LlamaCppPythonPeer, find_llama_cpp_binaries
 from .prompts import BenchPrompt
 from .report import summarize
@@ -59,8 +59,10 @@ def run_bench(
     prompts = list(prompts)
     if not prompts:
         raise MarsError("no prompts to run")
-    check_metrics(p.metric for p in prompts if p.scored)
+    unscored = unavailable_metrics(p.metric for p in prompts if p.scored)
     notes = list(s.notes)
+    if unscored and unscored_note(unscored) not in notes:
+        notes.append(unscored_note(unscored))
     if s.temperature > 0 and len(s.adaptive_modes) > 1:
         notes.append("sampling run: adaptive k is left out for MARS (the engine fixes k for seeded MARS runs)")
     bins = find_llama_cpp_binaries(s.llama_cpp_bin) if s.llama_cpp_bin is not None else None
@@ -151,7 +153,7 @@ def run_bench(
             for r in runs:
                 smp = samples[r][i]
                 if smp.text is not None:
-                    smp.score = task_score(p.metric, smp.text, p.reference)
+                    smp.score = None if p.metric in unscored else task_score(p.metric, smp.text, p.reference)
                 if smp.tokens is not None:
                     key = tuple(smp.tokens)
                     if key not in nll_cache:
