@@ -257,3 +257,24 @@ def test_chat_at_end_of_input_leaves_cleanly(tiny_target, empty_config):
     p = mars("chat", "-m", tiny_target, "-t", 1, "-n", 4, input=b"hello\n", env=empty_config)
     assert p.returncode == 0, p.stderr
     err_lines(p)
+
+
+def test_chat_ctrl_c_stops_the_answer_not_the_chat(long_model, tiny_draft, empty_config):
+    cmd = ["chat", "-m", long_model, "-md", tiny_draft, "--verify", "strict", "--no-adaptive", "--draft-max", "63",
+           "-c", "8192", "-n", "8000", "-t", "1"]
+    proc = subprocess.Popen(MARS + [str(a) for a in cmd], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, **empty_config})
+    proc.stdin.write(b"a b c\n")
+    proc.stdin.close()  # after this answer: end of input, the chat ends
+    proc.stdin = None
+    seen = b""
+    while b">>> " not in seen or not seen.split(b">>> ", 1)[1]:  # the answer is streaming
+        more = proc.stdout.read1(4096)
+        assert more, seen
+        seen += more
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "(stopped)" in err and "Traceback" not in err, err
+    assert (seen + out).count(b">>> ") == 2  # asked again after the interrupted answer
