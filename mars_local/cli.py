@@ -154,11 +154,11 @@ def run(
     Ctrl-C ends the line, prints the partial statistics with --stats and exits 130;
     a closed pipe (`| head`) ends quietly with exit 0.
     """
+    choice = gen.choice()  # flags are checked before standard input is read or a model loads
+    cfg = gen.config(choice, n_predict)
     text = read_prompt(prompt)
     if system is not None:
         system = opt.valid_utf8(system, "--system")
-    choice = gen.choice()
-    cfg = gen.config(choice, n_predict)
     eng = gen.engine(choice)
     try:
         if chat or system is not None:
