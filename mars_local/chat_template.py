@@ -16,28 +16,38 @@ A GGUF file is untrusted input, so rendering is bounded:
   the result would exceed :data:`SIZE_LIMIT` characters (or items) plus four
   times the size of the messages; ``range`` is capped at :data:`MAX_RANGE`;
 * the output is generated chunk by chunk and refused past the same size;
-* rendering is refused after :data:`TIME_LIMIT` seconds (checked on every
-  operator, call, filter, ``range`` step and output chunk).  A loop whose
-  body does none of these (an empty ``{% for %}`` over a large string) is not
-  interrupted by these checks; every other runaway is.
+* ``~`` concatenation, printed values and the arguments of calls and
+  filters are measured (nested lists included) against the same limit;
+* rendering is refused after :data:`TIME_LIMIT` seconds, checked on every
+  intercepted operator, call, filter, output chunk and every 1024 iterations
+  of each ``{% for %}`` loop and ``range`` (so an empty loop body cannot spin);
+  recursion ends at Python's recursion limit.
 
 Every failure (syntax error, ``raise_exception``, a limit) is a
 :class:`MarsError` naming the model file, and the template line where Jinja
 knows it.
 
 Special tokens: :func:`tokenize_chat` parses control tokens (``<|im_start|>``)
-only in the template's own markup.  When no message contains special-token
-text the whole rendered prompt is tokenized as before (so benign prompts keep
-their token ids).  Otherwise the template is rendered a second time with every
-message content replaced by a unique sentinel; the sentinel render, with the
-real contents put back, must reproduce the real render (the template may
-``trim`` the content; other transformations are detected).  The markup pieces
-are then searched for control tokens, and the text between control tokens
-(markup and message text joined, exactly the fragments llama.cpp would
-tokenize) is tokenized with special parsing off.  If the template transforms
-content in another way (for example it inspects or rewrites it), a message
-that contains special-token text is refused with one line rather than let
-through as control tokens.
+only in the template's own markup, never in message text, so a message cannot
+forge a turn boundary.  (llama.cpp's server and llama-cpp-python parse the
+whole rendered prompt, message text included.)
+
+* When no message contains special-token text, the rendered prompt is
+  tokenized exactly as before (the same token ids).
+* Otherwise the template is rendered again with every message content
+  replaced by a unique sentinel (private-use characters and a random nonce).
+  The markup between sentinels must match the real render, and each message
+  must appear in it verbatim or trimmed.  The markup is searched for control
+  tokens; the text between two control tokens (markup and message text
+  joined, the same fragments llama.cpp's tokenizer would make) is tokenized
+  with special parsing off.  For benign text this gives the same ids as
+  tokenizing the whole prompt.
+* Fallback: a message without special-token text that the template rewrites
+  (``content.split('</think>')``, ``upper``) is treated as markup, as before.
+  When a message *with* special-token text is rewritten by the template, or
+  the template's markup depends on the content, the prompt cannot be split
+  safely: that message is refused with one line (remove the special tokens
+  from it) rather than passed through as control tokens.
 """
 
 from __future__ import annotations
@@ -75,6 +85,32 @@ def _size(x: Any) -> int:
     return 0
 
 
+def _deep_size(x: Any, budget: int) -> int:
+    """About how many characters str(x) has; stops counting past ``budget``
+    (so a list holding one large list a thousand times costs little to judge)."""
+    total, stack = 0, [x]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (str, bytes)):
+            total += len(v)
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            total += 2 * len(v) + 2
+            if total <= budget:
+                stack.extend(v)
+        elif isinstance(v, dict):
+            total += 4 * len(v) + 2
+            if total <= budget:
+                stack.extend(v.keys())
+                stack.extend(v.values())
+        elif isinstance(v, int):
+            total += v.bit_length() // 3 + 1
+        else:
+            total += 8
+        if total > budget:
+            break
+    return total
+
+
 _PCT_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _FMT_NUM = re.compile(r"\d+")
 
@@ -82,6 +118,8 @@ _FMT_NUM = re.compile(r"\d+")
 def _build_env():
     import jinja2
     import jinja2.ext
+    import jinja2.nodes
+    from jinja2.compiler import CodeGenerator
     from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -122,14 +160,37 @@ def _build_env():
         def __repr__(self):
             return repr(self._r)
 
+    class BoundedCodeGenerator(CodeGenerator):
+        """``a ~ b`` goes through environment.concat (bounded), not str_join;
+        every ``{% for %}`` iterates through a generator that checks the time
+        limit (so even an empty loop body cannot spin unbounded)."""
+
+        def visit_Template(self, node, frame=None):
+            for loop in node.find_all(jinja2.nodes.For):
+                loop.iter = jinja2.nodes.Filter(loop.iter, "_mars_bounded_iter", [], [], None, None,
+                                                lineno=loop.lineno)
+            return super().visit_Template(node, frame)
+
+        def visit_Concat(self, node, frame):
+            self.write("environment.concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**", "+", "%"})
+        code_generator_class = BoundedCodeGenerator
 
         def __init__(self, **kw):
-            super().__init__(**kw)
+            super().__init__(finalize=self._finalize, **kw)
             self.limit = SIZE_LIMIT
             self.deadline = math.inf
             self.globals["range"] = self._range
+            lipsum = self.globals.get("lipsum")
+            if lipsum is not None:
+                self.globals["lipsum"] = lambda n=5, html=True, min=20, max=100: lipsum(
+                    n if n <= 100 else 100, html, min, max if max <= 1000 else 1000)
             for name in list(self.filters):
                 self.filters[name] = self._wrap_filter(name, self.filters[name])
 
@@ -145,6 +206,31 @@ def _build_env():
         def _check(self, value: Any, what: str = "a value") -> Any:
             self._refuse(what, _size(value))
             return value
+
+        def _check_args(self, what: str, args, kwargs=None) -> None:
+            """Arguments that would print as more than the limit (nested lists)."""
+            budget = self.limit
+            n = _deep_size(args, budget) + (_deep_size(kwargs, budget) if kwargs else 0)
+            self._refuse(what, n)
+
+        def _finalize(self, value):
+            if not isinstance(value, (str, int, float)) and value is not None:
+                self._refuse("printing a value", _deep_size(value, self.limit))
+            return value
+
+        def concat(self, parts):
+            self._tick()
+            self._check_args("'~'", parts)
+            out = "".join(map(str, parts))
+            return self._check(out, "'~'")
+
+        def _bounded_iter(self, iterable):
+            self._tick()
+            tick = self._tick
+            for n, v in enumerate(iterable):
+                if not n & 1023:
+                    tick()
+                yield v
 
         def _range(self, *args):
             self._tick()
@@ -185,6 +271,7 @@ def _build_env():
                     self._refuse("'+'", len(left) + len(right))
             elif operator == "%" and isinstance(left, str):
                 self._check_pct(left)
+                self._check_args("'%'", right)
                 return self._check(super().call_binop(context, operator, left, right), "'%'")
             return super().call_binop(context, operator, left, right)
 
@@ -204,10 +291,11 @@ def _build_env():
             elif name == "join" and args:
                 items = args[0]
                 if isinstance(items, (list, tuple)):
-                    self._refuse("str.join()", sum(_size(x) for x in items) + len(s) * max(len(items) - 1, 0))
+                    self._refuse("str.join()", _deep_size(items, self.limit) + len(s) * max(len(items) - 1, 0))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
             __self._tick()
+            __self._check_args("a call", args, kwargs)
             if isinstance(getattr(__obj, "__self__", None), str) and hasattr(__obj, "__name__"):
                 __self._precheck_str_method(__obj, args, kwargs)
             return __self._check(super().call(__context, __obj, *args, **kwargs), "a call")
@@ -220,6 +308,7 @@ def _build_env():
 
             def bounded(*args, **kwargs):
                 self._tick()
+                self._check_args("str.format()", args, kwargs)
                 return self._check(fmt(*args, **kwargs), "str.format()")
 
             return bounded
@@ -232,12 +321,12 @@ def _build_env():
                 "center": lambda v, width=80, *a, **k: self._refuse("center", width if isinstance(width, int) else 0),
                 "indent": lambda v, width=4, *a, **k: self._refuse(
                     "indent", (len(width) if isinstance(width, str) else width if isinstance(width, int) else 0)
-                    * (str(v).count("\n") + 1) + _size(v)),
+                    * (v.count("\n") + 1) + len(v)) if isinstance(v, str) else None,
                 "replace": lambda v, old="", new="", count=None, *a, **k: self._refuse(
                     "replace", _replaced_size(str(v), str(old), str(new), -1 if count is None else count)
                 ) if isinstance(v, str) else None,
                 "join": lambda v, d="", *a, **k: self._refuse(
-                    "join", sum(_size(x) for x in v) + len(str(d)) * len(v)) if isinstance(v, (list, tuple)) else None,
+                    "join", _deep_size(v, self.limit) + _size(d) * len(v)) if isinstance(v, (list, tuple)) else None,
                 "format": lambda v, *a, **k: self._check_pct(v) if isinstance(v, str) else None,
                 "slice": lambda v, slices=1, *a, **k: self._refuse("slice", slices if isinstance(slices, int) else 0),
                 "batch": lambda v, n=1, *a, **k: None,
@@ -248,6 +337,7 @@ def _build_env():
             @functools.wraps(fn)
             def wrapper(*args, **kwargs):
                 self._tick()
+                self._check_args(f"the {name!r} filter", args[1:] if ctx_first else args, kwargs)
                 if pre is not None:
                     pre(*(args[1:] if ctx_first else args), **kwargs)
                 return self._check(fn(*args, **kwargs), f"the {name!r} filter")
@@ -266,6 +356,7 @@ def _build_env():
         extensions=[IgnoreGenerationTags, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = env._wrap_filter("tojson", tojson)
+    env.filters["_mars_bounded_iter"] = env._bounded_iter
     return env
 
 
@@ -376,13 +467,19 @@ def _special_tokens(model) -> list[tuple[str, int, bool, bool]]:
     return out
 
 
-def _split(template: ChatTemplate, messages: Sequence[dict], reference: str) -> list[tuple[str, bool]] | None:
-    """[(text, is_markup)] covering ``reference``, or None when the template
-    does not print message contents verbatim (or trimmed)."""
+def _split(template: ChatTemplate, messages: Sequence[dict], reference: str,
+           special: set[int]) -> list[tuple[str, bool]] | None:
+    """[(text, is_markup)] covering ``reference``, or None when it cannot be
+    split safely.  A message in ``special`` (its content has special-token
+    text) must appear verbatim or trimmed; any other message the template may
+    transform (then its text is markup, tokenized as before)."""
     nonce = secrets.token_hex(6)
     contents = [m["content"] for m in messages]
     marked = [dict(m, content=f"\ue000{nonce}{i}\ue001") for i, m in enumerate(messages)]
-    render = template.render(marked)
+    try:
+        render = template.render(marked)
+    except MarsError:  # the template judges the content (raise_exception): no split
+        return None
     parts = re.split(f"\ue000{nonce}(\\d+)\ue001", render)
     out: list[tuple[str, bool]] = []
     pos = 0
@@ -393,15 +490,24 @@ def _split(template: ChatTemplate, messages: Sequence[dict], reference: str) -> 
             out.append((part, True))
             pos += len(part)
             continue
-        c = contents[int(part)]
-        after = parts[j + 1]
+        i = int(part)
+        c, after = contents[i], parts[j + 1]
         for v in dict.fromkeys((c, c.strip(), c.lstrip(), c.rstrip())):
             if reference.startswith(v, pos) and reference.startswith(after, pos + len(v)):
                 out.append((v, False))
                 pos += len(v)
                 break
         else:
-            return None
+            if i in special:
+                return None
+            if after:  # the template rewrote this (harmless) content: it ends where the next markup begins
+                end = reference.find(after, pos)
+            else:
+                end = len(reference) if j + 1 == len(parts) - 1 else -1
+            if end < 0:
+                return None
+            out.append((reference[pos:end], True))
+            pos = end
     return out if pos == len(reference) else None
 
 
@@ -412,7 +518,7 @@ def tokenize_chat(template: ChatTemplate, model, messages: Sequence[dict], *, fo
     special_in = [i for i, m in enumerate(messages) if _has_special_text(model, m["content"])]
     if not special_in and not force_split:
         return model.tokenize(reference, add_special=False, parse_special=True)
-    pieces = _split(template, messages, reference)
+    pieces = _split(template, messages, reference, set(special_in))
     if pieces is None:
         if not special_in:
             return model.tokenize(reference, add_special=False, parse_special=True)
