@@ -68,7 +68,7 @@ SIZE_LIMIT = 1_000_000  # characters of a string (or items of a list) a template
 SIZE_PER_INPUT = 4  # ... plus this many times the characters of the messages
 TIME_LIMIT = 2.0  # seconds of rendering
 MAX_RANGE = 100_000  # items of one range()
-MAX_POW_BITS = 64_000  # an integer power may have this many bits
+MAX_POW_BITS = 64_000  # an integer product or power may have this many bits
 
 
 class _Limit(Exception):
@@ -261,6 +261,10 @@ def _build_env():
                 for seq, n in ((left, right), (right, left)):
                     if isinstance(seq, (str, bytes, list, tuple)) and isinstance(n, int):
                         self._refuse("'*'", len(seq) * max(n, 0))
+                if isinstance(left, int) and isinstance(right, int):
+                    bits = left.bit_length() + right.bit_length()
+                    if bits > MAX_POW_BITS:
+                        raise _Limit(f"'*' would build a {bits:,}-bit number")
             elif operator == "**":
                 if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
                     bits = right * math.log2(abs(left))

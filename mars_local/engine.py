@@ -479,8 +479,13 @@ class Engine:
             stats.record_round(len(draft), res.n_accepted, res.n_relaxed, len(new))
             generated += len(new)
             text = decoder.decode(b"".join(piece(t) for t in new))
-            if stop or generated >= cfg.max_tokens:  # before the yield: a consumer may stop at the last chunk
-                stats.stop_reason = stop or "length"
+            # the reason is known before the yield: a consumer may stop at the last chunk
+            if stop:
+                stats.stop_reason = stop
+            elif generated >= cfg.max_tokens:
+                stats.stop_reason = "length"
+            elif tgt.n_ctx - tgt.n_past - 1 < 0:
+                stats.stop_reason = "context"
             if new or text:
                 yield Chunk(list(new), text, kinds)
             if stop:
