@@ -202,6 +202,8 @@ def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
         if version not in (2, 3):
             return None
         n_tensors, n_kv = take("<QQ")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            return None  # not a header this check can judge cheaply
         alignment = 32
         for _ in range(n_kv):
             key = string()
@@ -210,6 +212,8 @@ def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
                 val = string()
             elif vtype == 9:
                 atype, n = take("<IQ")
+                if n > 1 << 26:
+                    return None
                 if atype == 8:
                     for _ in range(n):
                         skip(take("<Q"))
@@ -253,8 +257,8 @@ def _check_gguf_extent(path: Path) -> None:
             f"cannot load {path}: the file is truncated or corrupt: it ends inside its GGUF header "
             f"(the file has {path.stat().st_size:,} bytes)"
         ) from None
-    except (OSError, ValueError, OverflowError, MemoryError):
-        return  # llama.cpp gives its own reason
+    except Exception:  # noqa: BLE001 - a header this parser cannot read: llama.cpp gives its own reason
+        return
     if extent is not None and extent[0] > extent[1]:
         raise MarsError(
             f"cannot load {path}: the file is truncated or corrupt: the header declares tensor data up to "
@@ -341,6 +345,8 @@ class Model:
         """Token ids of ``text``.  Text that is not valid Unicode (a lone
         surrogate, which is what Python makes of undecodable bytes in argv) is
         refused with a MarsError: decoding bytes is the caller's business."""
+        if not self._model:
+            raise MarsError("this model was closed")
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -362,6 +368,8 @@ class Model:
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (may be a partial UTF-8 sequence)."""
+        if not self._model:
+            raise MarsError("this model was closed")
         buf = self._piece_buf
         n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -543,6 +551,8 @@ class Context:
         return len(self.tokens)
 
     def _decode(self, tokens, n_out: int) -> None:
+        if not self._ctx:
+            raise MarsError("this context was closed (Engine.close() during a generation?)")
         n = len(tokens)
         start = len(self.tokens)
         self._tok[:n] = tokens
@@ -587,6 +597,8 @@ class Context:
         """Drop every cached position >= n_keep (KV rollback)."""
         if n_keep >= len(self.tokens):
             return
+        if not self._ctx:
+            raise MarsError("this context was closed")
         if not C.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
             raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
         del self.tokens[n_keep:]
@@ -603,6 +615,8 @@ class Context:
 
         Returns the number of tokens that had to be evaluated.
         """
+        if not self._ctx:
+            raise MarsError("this context was closed")
         # An interrupted decode (Ctrl-C between llama_decode and the mirror
         # update) can leave the cache longer than the mirror: trust the cache.
         pos_max = int(C.llama_memory_seq_pos_max(self.mem, 0))

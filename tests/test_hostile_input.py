@@ -370,3 +370,15 @@ def test_truncated_gguf_says_so(truncated_gguf, tiny_target, tmp_path):
         Model(cut)
     # an intact file is untouched by the check
     Model(tiny_target).close()
+
+
+def test_an_engine_closed_during_a_stream_is_one_line_not_a_crash(tiny_target):
+    e = Engine(tiny_target, drafter="ngram", n_ctx=256)
+    s = e.stream("hello world", max_tokens=50)
+    next(s)
+    e.close()
+    with pytest.raises(MarsError, match="closed"):
+        list(s)
+    assert e.last_stats.stop_reason == "error"
+    with pytest.raises(MarsError, match="closed"):
+        e.generate("hello", max_tokens=2)
