@@ -453,22 +453,25 @@ def _one_line(s: str) -> str:
 
 
 # ----------------------------------------------------------- tokenization
-def _has_special_text(model, text: str) -> bool:
-    return model.tokenize(text, add_special=False, parse_special=True) != model.tokenize(
-        text, add_special=False, parse_special=False
-    )
-
-
-def _special_tokens(model) -> list[tuple[str, int, bool, bool]]:
-    """(text, id, lstrip, rstrip) of the tokens llama.cpp parses as special, longest first (cached)."""
+def _special_tokens(model) -> tuple[list[tuple[str, int, bool, bool]], re.Pattern | None]:
+    """(text, id, lstrip, rstrip) of the tokens llama.cpp parses as special
+    (longest first) and a pattern matching their texts; cached on the model."""
     cached = getattr(model, "_mars_special_tokens", None)
     if cached is not None:
         return cached
     from .runtime import special_tokens
 
     out = sorted(special_tokens(model), key=lambda t: -len(t[0]))
-    model._mars_special_tokens = out
-    return out
+    pattern = re.compile("|".join(re.escape(t) for t, *_ in out)) if out else None
+    model._mars_special_tokens = (out, pattern)
+    return out, pattern
+
+
+def _has_special_text(model, text: str) -> bool:
+    """Would special parsing find a control token in ``text``?  (llama.cpp
+    matches their texts literally, so a text search answers exactly.)"""
+    pattern = _special_tokens(model)[1]
+    return pattern is not None and pattern.search(text) is not None
 
 
 def _split(template: ChatTemplate, messages: Sequence[dict], reference: str,
@@ -531,8 +534,7 @@ def tokenize_chat(template: ChatTemplate, model, messages: Sequence[dict], *, fo
             "transforms message content, so that text cannot be kept apart from the template's markup; "
             "remove the special tokens from the message"
         )
-    specials = _special_tokens(model)
-    pattern = re.compile("|".join(re.escape(t) for t, *_ in specials)) if specials else None
+    specials, pattern = _special_tokens(model)
     info = {t: (i, ls, rs) for t, i, ls, rs in specials}
     # Fragments as llama.cpp's partition makes them: control tokens (markup
     # only) and the raw text between them, markup and content joined.
