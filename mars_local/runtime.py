@@ -451,14 +451,24 @@ def _available_memory() -> int | None:
 
 
 def kv_cache_bytes(model: Model, n_ctx: int, kv_type: str = "f16") -> int:
-    """Estimated KV-cache size of a context (standard attention; llama.cpp pads n_ctx to 256)."""
+    """Estimated KV-cache size of a context: exact for standard attention, an
+    upper bound for sliding-window models (llama.cpp pads n_ctx to 256)."""
     m = model._model
     n_layer = int(C.llama_model_n_layer(m))
     n_head = max(int(C.llama_model_n_head(m)), 1)
     n_head_kv = int(C.llama_model_n_head_kv(m))
-    head = int(C.llama_model_n_embd(m)) // n_head
+    head_k = head_v = int(C.llama_model_n_embd(m)) // n_head
+    arch = model.meta("general.architecture")
+    if arch:
+        for key in ("key_length", "value_length"):
+            val = model.meta(f"{arch}.attention.{key}")
+            if val and val.isdigit():
+                if key == "key_length":
+                    head_k = int(val)
+                else:
+                    head_v = int(val)
     padded = -(-int(n_ctx) // 256) * 256
-    return int(padded * 2 * n_layer * n_head_kv * head * _KV_BYTES.get(kv_type, 2.0))
+    return int(padded * n_layer * n_head_kv * (head_k + head_v) * _KV_BYTES.get(kv_type, 2.0))
 
 
 def _gib(n: float) -> str:
@@ -503,7 +513,10 @@ class Context:
         if kv_type not in KV_TYPES:
             raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         kv_bytes = 0 if model.recurrent else kv_cache_bytes(model, n_ctx, kv_type)
-        avail = None if model.offloaded else _available_memory()
+        # On the CPU llama.cpp clears the whole cache when it allocates it, so a
+        # cache larger than the free memory would swap or be OOM-killed: refuse
+        # it first.  (A sliding-window model needs less than the estimate.)
+        avail = None if model.offloaded or C.llama_model_n_swa(model._model) > 0 else _available_memory()
         if avail is not None and kv_bytes > avail:
             raise MarsError(
                 f"a context of {requested:,} tokens needs about {_gib(kv_bytes)} of KV cache, more than the "
