@@ -314,6 +314,10 @@ def test_a_context_that_cannot_be_allocated_is_one_line(tiny_target, monkeypatch
             Engine(tiny_target, n_ctx=n)
         msg = one_line(ei.value)
         assert "KV cache" in msg or "too large" in msg, msg
+    monkeypatch.setattr(runtime, "_available_memory", lambda: None)
+    monkeypatch.setattr(runtime.C, "llama_init_from_model", lambda model, params: None)  # llama.cpp fails
+    with pytest.raises(MarsError, match="cannot create a llama.cpp context of 4,096 tokens .*KV cache needs about"):
+        Engine(tiny_target, n_ctx=4096)
 
 
 # ----------------------------------------------------------- 8. final stats
