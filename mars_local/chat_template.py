@@ -333,8 +333,6 @@ def _build_env():
                     "join", _deep_size(v, self.limit) + _size(d) * len(v)) if isinstance(v, (list, tuple)) else None,
                 "format": lambda v, *a, **k: self._check_pct(v) if isinstance(v, str) else None,
                 "slice": lambda v, slices=1, *a, **k: self._refuse("slice", slices if isinstance(slices, int) else 0),
-                "batch": lambda v, n=1, *a, **k: None,
-                "wordwrap": lambda v, width=79, *a, **k: None,
             }.get(name)
             ctx_first = getattr(fn, "jinja_pass_arg", None) is not None
 
@@ -399,13 +397,11 @@ class ChatTemplate:
         except jinja2.TemplateSyntaxError as exc:
             where = f" at line {exc.lineno}" if exc.lineno else ""
             raise MarsError(f"the chat template of {name} has a syntax error{where}: {_one_line(exc.message)}") from None
-        except (Exception, RecursionError) as exc:
+        except Exception as exc:
             raise MarsError(f"the chat template of {name} cannot be compiled: {_one_line(str(exc))}") from None
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text; a MarsError naming the model on any failure or limit."""
-        import jinja2
-
         def raise_exception(message):
             raise _TemplateRaised(str(message))
 
@@ -437,7 +433,7 @@ class ChatTemplate:
             raise MarsError(f"the chat template of {self.name} was refused: {exc}") from None
         except _TemplateRaised as exc:
             raise MarsError(f"the chat template of {self.name} refused the messages: {_one_line(str(exc))}") from None
-        except (jinja2.TemplateError, Exception, RecursionError) as exc:
+        except Exception as exc:  # TemplateError, TypeError, RecursionError, SecurityError, ...
             line = _template_line(exc.__traceback__)
             where = f" at line {line}" if line else ""
             why = _one_line(str(exc)) or type(exc).__name__
