@@ -13,8 +13,9 @@ reproduce them; see the sampling module's docstring).
 * :func:`verify` has the contract of :func:`mars_local.verify.verify`.  Inputs
   the kernel does not take (logits that are not float32, malformed shapes,
   draft ids outside the vocabulary) go to the numpy reference, so results and
-  errors are the reference's in every case.  (Rows with a NaN logit, or with
-  no finite logit at all, have no defined result in either implementation.)
+  errors are the reference's in every case.  A row with a NaN logit, or with
+  no logit above -inf, that the rule reaches is refused with the reference's
+  MarsError: the kernel returns -3 / -4 and the row's window position.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import threading
 
 import numpy as np
 
+from .errors import MarsError
 from .sampling import SamplingParams
 from .verify import VerifyConfig, VerifyResult
 from .verify import verify as verify_numpy
@@ -162,5 +164,10 @@ def verify(
     p.n_draft = k
     m = fn(_addr(logits), w.draft, _addr(q), _addr(u), ctypes.byref(p), w.out, w.relaxed)
     if m < 0:
+        if m in (-3, -4):  # row out[0] has no distribution; the reference's message
+            i = w.out[0]
+            if m == -3:
+                raise MarsError(f"the target produced NaN logits at draft position {i}")
+            raise MarsError(f"the target produced no finite logit at draft position {i} (all -inf)")
         raise RuntimeError(f"{SYMBOL} rejected its arguments (code {m})")
     return VerifyResult(m, w.out[: m + 1], np.frombuffer(w.relaxed, dtype=np.bool_, count=m).copy())

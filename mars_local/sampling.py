@@ -20,6 +20,13 @@ for bit, so both give the same tokens):
   kept set is the longest rank-order prefix on which both hold (the top-1 is
   always kept).
 * tempered p = e' / S2 over the kept set, e' = exp(z / T - max(z / T)).
+* non-finite logits: -inf is probability 0.  A row whose largest logit is
+  +inf puts all its mass on its +inf logits, shared equally (they are tied at
+  the top, so top-k / top-p keep the lowest of their ids first): wherever the
+  definition computes z - max z, a row with max z = +inf uses 0 for a +inf z
+  and -inf for any other.  The same holds after temperature (z / T).  Rows
+  with a NaN logit, or with no logit above -inf, have no distribution; the
+  verifier refuses them (MarsError) and they are not defined here.
 * every normaliser (S1, S2, and the CDF total in verification) is a sequential
   sum in ascending token-id order (``np.cumsum``, not numpy's pairwise
   ``sum``), and exp is ``exp_nonpositive`` below, built from IEEE basic
@@ -143,6 +150,19 @@ def top_k_ids(z: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+def _shifted(z: np.ndarray, zmax: np.ndarray) -> np.ndarray:
+    """z - zmax row by row ((n, m) and (n, 1)), except in rows whose maximum is
+    +inf: there 0 for the +inf entries and -inf for the others, so that
+    exp(z - zmax) puts equal mass on the +inf logits and none elsewhere."""
+    inf = np.isposinf(zmax[:, 0])
+    if not inf.any():
+        return z - zmax
+    with np.errstate(invalid="ignore"):
+        d = z - zmax
+    d[inf] = np.where(np.isposinf(z[inf]), 0.0, -np.inf)
+    return d
+
+
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """Dense probability rows (n, V) after truncation and temperature.
 
@@ -166,7 +186,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
     keep = None
     if params.top_p < 1.0 or params.min_p > 0.0:
-        e = exp_nonpositive(cz - top)
+        e = exp_nonpositive(_shifted(cz, top))
         p1 = e / _seq_sum(e)  # untempered, over the candidates
         order = np.argsort(-cz, axis=1, kind="stable")  # rank order (ids ascend within ties)
         pr = p1[rows, order]
@@ -183,7 +203,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     zt = cz / params.temperature
     if keep is not None:
         zt = np.where(keep, zt, -np.inf)
-    e = exp_nonpositive(zt - zt.max(axis=1, keepdims=True))
+    e = exp_nonpositive(_shifted(zt, zt.max(axis=1, keepdims=True)))
     pt = e / _seq_sum(e)
     if cand is None:
         out = pt

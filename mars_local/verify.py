@@ -24,7 +24,7 @@ z1, z2          their logits.
 r               margin ratio z2 / z1 (MARS).  Scale-invariant, so it is the
                 same before and after temperature.
 theta           MARS threshold: a position is *undecided* when z1 > 0 and
-                r > theta (default 0.9).
+                r > theta (default 0.9), and z2 > -inf.
 accepted        the draft prefix d_0 .. d_{m-1} kept by the rule (m <= k).
 relaxed         accepted positions that the strict rule would have rejected
                 and that MARS accepted because the target was undecided.
@@ -41,7 +41,8 @@ Rules
 strict, T = 0   accept while d_i == argmax(logits_i); correction/bonus is the
                 argmax.  Token-for-token identical to plain greedy decoding.
 strict, T > 0   Leviathan/Chen rejection sampling: accept d_i with probability
-                min(1, p(d_i) / q(d_i)); on rejection sample from
+                min(1, p(d_i) / q(d_i)) (q(d_i) = 0: 1 if p(d_i) > 0, else 0);
+                on rejection sample from
                 normalise((p - q)+).  With deterministic drafts q is a point
                 mass, which gives: accept with probability p(d_i), else sample
                 from p with d_i removed; implemented as sample-and-compare
@@ -58,6 +59,23 @@ mars, T > 0     at an undecided position a draft in {t1, t2} is accepted
 max_relaxed     optional cap on relaxed accepts per window (None: no cap, the
                 paper's behaviour).  The first relaxed accept beyond the cap
                 is treated as a rejection.
+
+Non-finite logits
+-----------------
++inf            the argmax, and it takes all the mass: several +inf logits in
+                a row share it equally (ties: lowest id first for argmax,
+                top-2, top-k and the top-p order; see mars_local.sampling).
+                z2/z1 is then 0 or NaN, so such a position is never undecided.
+-inf            probability 0; never accepted, not even as an undecided
+                runner-up (a position whose z2 is -inf is decided).
+NaN, or no logit above -inf
+                the row has no distribution: the window is refused with a
+                MarsError ("the target produced NaN logits at draft position
+                i") if the rule reaches row i, i.e. rows 0 .. m with m the
+                first rejected position (k: the bonus row).  Rows after the
+                first rejection are never looked at, here or natively.
+q(d) = 0        (a sampled draft its own q says it could not draw) accepted
+                iff p(d) > 0; a draft with p(d) = 0 is never accepted.
 
 Uniform draws: the sampling rules take one pair of uniforms per window
 position (the engine derives them from the seed and the absolute token
@@ -144,13 +162,25 @@ def undecided_mask(t1, z1, t2, z2, cfg: VerifyConfig) -> np.ndarray:
     z2 = np.asarray(z2, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = z2 / z1
-    mask = ratio > cfg.theta
+    mask = (ratio > cfg.theta) & (z2 > -np.inf)  # a -inf runner-up has probability 0
     if cfg.require_positive_top1:
         mask &= z1 > 0
     if cfg.eog_ids:
         eog = np.asarray(cfg.eog_ids)
         mask &= ~np.isin(t1, eog) & ~np.isin(t2, eog)
     return mask
+
+
+def _unusable(zmax: np.ndarray) -> np.ndarray:
+    """Rows with no distribution, given each row's max (NaN if any logit is):
+    a NaN logit, or no logit above -inf."""
+    return ~(zmax > -np.inf)
+
+
+def _refuse(zmax: float, i: int) -> None:
+    if np.isnan(zmax):
+        raise MarsError(f"the target produced NaN logits at draft position {i}")
+    raise MarsError(f"the target produced no finite logit at draft position {i} (all -inf)")
 
 
 def _prefix(ok: np.ndarray, relaxed: np.ndarray, cap: int | None) -> int:
@@ -169,14 +199,21 @@ def verify_greedy(logits: np.ndarray, draft: np.ndarray, cfg: VerifyConfig) -> V
     draft = np.asarray(draft, dtype=np.int64)
     k = len(draft)
     if cfg.method == "strict":
-        pred = logits.argmax(axis=1)
-        ok = draft == pred[:k]
+        pred = logits.argmax(axis=1)  # numpy's argmax stops at the first NaN: z1 is NaN
+        z1 = logits[np.arange(len(pred)), pred]
+        bad = _unusable(z1)
+        ok = (draft == pred[:k]) & ~bad[:k]
         m = _prefix(ok, np.zeros(k, dtype=bool), None)
+        if bad[m]:
+            _refuse(z1[m], m)
         return VerifyResult(m, [int(t) for t in draft[:m]] + [int(pred[m])], np.zeros(m, dtype=bool))
     t1, z1, t2, z2 = top2(logits)
-    exact = draft == t1[:k]
-    relaxed = ~exact & (draft == t2[:k]) & undecided_mask(t1[:k], z1[:k], t2[:k], z2[:k], cfg)
+    bad = _unusable(z1)
+    exact = (draft == t1[:k]) & ~bad[:k]
+    relaxed = ~exact & ~bad[:k] & (draft == t2[:k]) & undecided_mask(t1[:k], z1[:k], t2[:k], z2[:k], cfg)
     m = _prefix(exact | relaxed, relaxed, cfg.max_relaxed)
+    if bad[m]:
+        _refuse(z1[m], m)
     return VerifyResult(m, [int(t) for t in draft[:m]] + [int(t1[m])], relaxed[:m].copy())
 
 
@@ -201,6 +238,11 @@ def verify_sampling(
     """
     draft = np.asarray(draft, dtype=np.int64)
     k = len(draft)
+    zmax = logits.max(axis=1)  # NaN where a row has a NaN
+    bad = _unusable(zmax)
+    if bad.any():  # placeholder rows, so that nothing below trips on them; never used
+        logits = logits.copy()
+        logits[bad] = 0.0
     p = probabilities(logits, params)  # (k+1, V)
     rows = np.arange(k)
     p_d = p[rows, draft]
@@ -212,15 +254,19 @@ def verify_sampling(
     else:
         q_d = draft_probs[rows, draft]
         with np.errstate(divide="ignore", invalid="ignore"):
-            accept_prob = np.where(q_d > 0, np.minimum(1.0, p_d / q_d), 1.0)
+            # q(d) = 0: accept iff p(d) > 0 (p(d) = 0 is never accepted)
+            accept_prob = np.where(q_d > 0, np.minimum(1.0, p_d / q_d), np.where(p_d > 0, 1.0, 0.0))
         ok = uniforms[:k, 0] < accept_prob
+    ok &= ~bad[:k]
     relaxed = np.zeros(k, dtype=bool)
     if cfg.method == "mars" and k:
         t1, z1, t2, z2 = top2(logits[:k])
         in_top2 = (draft == t1) | (draft == t2)
-        relaxed = ~ok & in_top2 & (p_d > 0) & undecided_mask(t1, z1, t2, z2, cfg)
+        relaxed = ~ok & ~bad[:k] & in_top2 & (p_d > 0) & undecided_mask(t1, z1, t2, z2, cfg)
         ok = ok | relaxed
     m = _prefix(ok, relaxed, cfg.max_relaxed if cfg.method == "mars" else None)
+    if bad[m]:
+        _refuse(zmax[m], m)
     if draft_probs is None:
         nxt = int(x[m])
     elif m < k:
@@ -250,7 +296,10 @@ def verify(
         raise ValueError(f"logits must be (k+1, V) for k={len(draft)} drafts, got {logits.shape}")
     if params.greedy:
         if len(draft) == 0:
-            return VerifyResult(0, [int(logits[0].argmax())])
+            t = int(logits[0].argmax())  # the first NaN if there is one
+            if not logits[0, t] > -np.inf:
+                _refuse(logits[0, t], 0)
+            return VerifyResult(0, [t])
         return verify_greedy(logits, draft, cfg)
     if uniforms is None:
         if rng is None:

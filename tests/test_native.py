@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from mars_local import native
 from mars_local.engine import Engine
+from mars_local.errors import MarsError
 from mars_local.sampling import SamplingParams, probabilities, top_k_ids
 from mars_local.verify import VerifyConfig, verify
 
@@ -33,7 +34,14 @@ def same(a, b) -> bool:
 
 
 def check(logits, draft, cfg, params, draft_probs=None, uniforms=None):
-    ref = verify(logits, draft, cfg, params, None, draft_probs, uniforms)
+    """Both give the same result, or both refuse with the same MarsError (None)."""
+    try:
+        ref = verify(logits, draft, cfg, params, None, draft_probs, uniforms)
+    except MarsError as e:
+        with pytest.raises(MarsError) as got:
+            native.verify(logits, draft, cfg, params, None, draft_probs, uniforms)
+        assert str(got.value) == str(e)
+        return None
     got = native.verify(logits, draft, cfg, params, None, draft_probs, uniforms)
     assert same(ref, got), (ref, got)
     assert got.relaxed.dtype == bool and len(got.relaxed) == got.n_accepted
@@ -44,8 +52,10 @@ def check(logits, draft, cfg, params, draft_probs=None, uniforms=None):
 @st.composite
 def windows(draw):
     """(logits, draft): random logits of several shapes, with exact ties, rows
-    whose top-1 is <= 0, flat (undecided) rows and some -inf entries; drafts
-    mostly equal to the top-1 or top-2 so that windows get past position 0."""
+    whose top-1 is <= 0, flat (undecided) rows, some -inf entries, and
+    non-finite extremes (+inf logits, one or several per row; a row with a NaN;
+    a row that is all -inf); drafts mostly equal to the top-1 or top-2 so that
+    windows get past position 0."""
     k = draw(st.integers(0, 6))
     vocab = draw(st.one_of(st.integers(1, 80), st.integers(100, 700)))
     style = draw(st.sampled_from(["normal", "ties", "nonpositive", "flat", "mixed"]))
@@ -66,8 +76,21 @@ def windows(draw):
     if draw(st.booleans()) and vocab > 1:
         z[rng.random((n, vocab)) < 0.2] = -np.inf
         z[np.isneginf(z).all(axis=1), 0] = 0.0  # keep one finite logit per row
+    extreme = draw(st.sampled_from([None, None, None, "+inf", "+inf several", "nan", "nan row", "-inf row"]))
+    row_at = rng.integers(0, n)
+    if extreme == "+inf":
+        rows = rng.random(n) < 0.5
+        z[rows, rng.integers(0, vocab, rows.sum())] = np.inf
+    elif extreme == "+inf several":
+        z[rng.random((n, vocab)) < draw(st.sampled_from([0.02, 0.3]))] = np.inf
+    elif extreme == "nan":
+        z[row_at, rng.integers(0, vocab)] = np.nan
+    elif extreme == "nan row":
+        z[row_at] = np.nan
+    elif extreme == "-inf row":
+        z[row_at] = -np.inf
     logits = z.astype(np.float32)
-    s = logits.astype(np.float64).copy()
+    s = np.nan_to_num(logits.astype(np.float64), nan=0.0)
     rows = np.arange(n)
     t1 = s.argmax(axis=1)
     s[rows, t1] = -np.inf
@@ -136,7 +159,8 @@ def test_sampling_with_sampled_drafts_matches_numpy(data):
     # q: the draft model's distribution (another truncation, noisy logits), possibly float32
     q_params = data.draw(sampling(vocab, greedy=False))
     noise = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1))).standard_normal((k, vocab))
-    q = probabilities((logits[:k] + noise).astype(np.float32), q_params) if k else np.zeros((0, vocab))
+    finite = np.where(np.isfinite(logits[:k]), logits[:k], 0.0)  # q itself is always a distribution
+    q = probabilities((finite + noise).astype(np.float32), q_params) if k else np.zeros((0, vocab))
     if k and data.draw(st.booleans()):
         # the drafts really were drawn from q (q(d) > 0), as the engine's are
         draft = np.array([int(np.argmax(row)) for row in q], dtype=np.int64)
@@ -145,23 +169,40 @@ def test_sampling_with_sampled_drafts_matches_numpy(data):
     check(logits, draft, data.draw(configs(vocab)), params, draft_probs=q, uniforms=uniforms_for(data.draw, k))
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    vocab=st.sampled_from([49152, 151936]),
-    k=st.integers(1, 8),
-    temp=st.sampled_from([0.0, 1.0]),
-    method=st.sampled_from(["strict", "mars"]),
-    top_k=st.sampled_from([40, 0]),
-)
-def test_large_vocabularies(seed, vocab, k, temp, method, top_k):
-    rng = np.random.default_rng(seed)
-    logits = (rng.standard_normal((k + 1, vocab)) * 3).astype(np.float32)
-    draft = logits[:k].argmax(axis=1)
-    logits[np.arange(k), draft] += rng.uniform(0, 3, k).astype(np.float32)
-    params = SamplingParams(temperature=temp, top_k=top_k, top_p=0.95, min_p=0.05 if top_k else 0.0)
+@pytest.mark.parametrize("vocab", [49152, 151936])
+@pytest.mark.parametrize("temp", [0.0, 1.0], ids=["greedy", "T1"])
+@pytest.mark.parametrize("method", ["strict", "mars"])
+def test_large_vocabularies(vocab, temp, method):
+    """Real vocabulary sizes, with drafts that the rules reject and (MARS) relax:
+    each draft is the top-1, an undecided runner-up (z2 = 0.95 z1) or a random id."""
+    rng = np.random.default_rng([vocab, int(temp), method == "mars"])
     cfg = VerifyConfig(method, theta=0.9, eog_ids=(0, 2))
-    check(logits, draft, cfg, params, uniforms=rng.random((k + 1, 2)))
+    n_rejected = n_relaxed = n_accepted = 0
+    for w in range(8):
+        k = int(rng.integers(1, 9))
+        top_k = (40, 0)[w % 2]
+        params = SamplingParams(temperature=temp, top_k=top_k, top_p=0.95, min_p=0.05 if top_k else 0.0)
+        logits = (rng.standard_normal((k + 1, vocab)) * 3).astype(np.float32)
+        t1 = logits.argmax(axis=1)
+        draft = t1[:k].copy()
+        logits[np.arange(k), draft] += 5  # a confident top-1 (p ~ 0.9 at T = 1)
+        for i, kind in enumerate(rng.choice(3, size=k, p=[0.45, 0.4, 0.15])):
+            if kind == 1:  # an undecided runner-up
+                z1 = logits[i, t1[i]]
+                r = int(rng.integers(3, vocab))
+                while r == t1[i]:
+                    r = int(rng.integers(3, vocab))
+                logits[i, r] = z1 * np.float32(0.95)
+                draft[i] = r
+            elif kind == 2:
+                draft[i] = rng.integers(0, vocab)
+        res = check(logits, draft, cfg, params, uniforms=rng.random((k + 1, 2)))
+        n_rejected += res.n_accepted < k
+        n_accepted += res.n_accepted
+        n_relaxed += res.n_relaxed
+    # the windows reached every branch: accepts, rejections and (MARS) relaxed accepts
+    assert n_accepted > 0 and n_rejected > 0
+    assert (n_relaxed > 0) == (method == "mars")
 
 
 # ------------------------------------------------------- crafted cases
@@ -254,3 +295,107 @@ def test_engine_uses_the_kernel_and_generates_what_numpy_generates(
         assert slow.stats.verify_backend == "numpy"
     assert fast.tokens == slow.tokens and fast.kinds == slow.kinds
     assert fast.stats.n_relaxed == slow.stats.n_relaxed
+
+
+# ------------------------------------------- non-finite logits, q(d) = 0
+def test_issue_example_posinf_logit():
+    """[[inf, 0, 0], [0, 1, 2]], draft [1], q [.2, .4, .4], u 0.5, T 1: numpy said
+    [0], the kernel [1, 2]; the +inf logit takes all the mass, so [0]."""
+    logits = np.array([[np.inf, 0, 0], [0, 1, 2]], dtype=np.float32)
+    q = np.array([[0.2, 0.4, 0.4]])
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    for cfg in (VerifyConfig("strict"), VerifyConfig("mars")):
+        r = check(logits, np.array([1]), cfg, params, draft_probs=q, uniforms=np.full((2, 2), 0.5))
+        assert r.tokens == [0]
+
+
+PIPELINES = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+    SamplingParams(temperature=0.7, top_k=3, top_p=1.0, min_p=0.0),
+    SamplingParams(temperature=1.3, top_k=0, top_p=0.6, min_p=0.0),
+    SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.2),
+    SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05),
+    SamplingParams(temperature=1e-300, top_k=0, top_p=1.0, min_p=0.0),  # z / T overflows to +inf
+]
+PIPELINE_IDS = ["greedy", "plain", "top-k", "top-p", "min-p", "all", "tiny-T"]
+
+
+def _extreme_rows(vocab: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(vocab)
+    base = (rng.standard_normal(vocab) * 2).astype(np.float32)
+    rows = {}
+    r = base.copy(); r[vocab - 1] = np.inf; rows["+inf in the tail"] = r  # noqa: E702
+    r = base.copy(); r[[5, 70 % vocab, 71 % vocab]] = np.inf; rows["three +inf"] = r  # noqa: E702
+    r = base.copy(); r[::2] = -np.inf; rows["half -inf"] = r  # noqa: E702
+    r = np.full(vocab, -np.inf, np.float32); r[[3, 100 % vocab]] = [-2.0, -2.5]; rows["-inf, negative top-2"] = r  # noqa: E702
+    r = base.copy(); r[vocab // 2] = np.nan; rows["a NaN"] = r  # noqa: E702
+    r = base.copy(); r[vocab - 1] = np.nan; rows["a NaN in the tail"] = r  # noqa: E702
+    r = base.copy(); r[7] = np.nan; r[8] = np.inf; rows["NaN and +inf"] = r  # noqa: E702
+    rows["all -inf"] = np.full(vocab, -np.inf, np.float32)
+    return rows
+
+
+@pytest.mark.parametrize("params", PIPELINES, ids=PIPELINE_IDS)
+@pytest.mark.parametrize("method", ["strict", "mars"])
+@pytest.mark.parametrize("vocab", [23, 200])
+def test_non_finite_rows_match_numpy(params, method, vocab):
+    """+inf, -inf and NaN rows at every window position, greedy and sampling,
+    deterministic and sampled drafts: same tokens, or the same MarsError."""
+    cfg = VerifyConfig(method, theta=0.9, require_positive_top1=False)
+    rng = np.random.default_rng(7)
+    finite = (rng.standard_normal((3, vocab)) * 2).astype(np.float32)
+    q = probabilities(finite[:2] + 0.5, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0))
+    refused = 0
+    for name, bad in _extreme_rows(vocab).items():
+        for pos in range(3):
+            logits = finite.copy()
+            logits[pos] = bad
+            for d in ({int(np.nan_to_num(logits[0], nan=-np.inf).argmax()), 3, 5, 70 % vocab, vocab - 1}):
+                draft = np.array([d, int(finite[1].argmax())])
+                for u in (0.0, 0.3, 0.5, 0.8, 0.9999999999999999):
+                    uni = np.full((3, 2), u)
+                    for probs in ((None,) if params.greedy else (None, q)):
+                        r = check(logits, draft, cfg, params, draft_probs=probs, uniforms=uni)
+                        if r is None:
+                            refused += 1
+                            assert "nan" in name.lower() or name == "all -inf"
+    assert refused > 0
+
+
+def test_posinf_never_emits_a_token_that_top_k_removed():
+    logits = np.array([[np.inf, 0.0, 5.0, 3.0], [0.0, 0.0, 0.0, 1.0]], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)
+    for d in range(4):
+        for u in np.linspace(0, 0.9999, 17):
+            for probs in (None, np.array([[0.1, 0.2, 0.3, 0.4]])):
+                r = check(logits, np.array([d]), VerifyConfig("mars"), params, draft_probs=probs,
+                          uniforms=np.array([[u, u], [u, u]]))
+                assert r.tokens[0] == 0 and r.n_accepted == (d == 0)
+
+
+def test_nan_is_refused_with_the_window_position():
+    logits = np.zeros((4, 300), dtype=np.float32)
+    logits[:, 7] = 30.0  # p(7) = 1 - 1e-10: drafts of 7 are accepted
+    logits[2, 150] = np.nan
+    for params in (SamplingParams(), SamplingParams(temperature=1.0)):
+        for method in ("strict", "mars"):
+            u = np.full((4, 2), 0.5)
+            with pytest.raises(MarsError, match="the target produced NaN logits at draft position 2"):
+                native.verify(logits, np.array([7, 7, 7]), VerifyConfig(method), params, None, None, u)
+            # a NaN after the first rejection is not looked at
+            r = native.verify(logits, np.array([7, 8, 7]), VerifyConfig(method), params, None, None, u)
+            assert r.tokens == [7, 7]
+
+
+def test_zero_q_never_accepts_a_draft_with_zero_target_probability():
+    logits = np.array([[5.0, 4.9, 0.0, -np.inf, 1.0], [0.0] * 5], dtype=np.float32)
+    q = np.array([[0.5, 0.5, 0.0, 0.0, 0.0]])
+    for params in (SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+                   SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0)):
+        p = probabilities(logits[0], params)
+        for cfg in (VerifyConfig("strict"), VerifyConfig("mars")):
+            for d in (2, 3, 4):
+                for u in (0.0, 0.5, 0.9999):
+                    r = check(logits, np.array([d]), cfg, params, draft_probs=q, uniforms=np.full((2, 2), u))
+                    assert r.n_accepted == (p[d] > 0)

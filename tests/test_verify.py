@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from mars_local.errors import MarsError
-from mars_local.sampling import SamplingParams, probabilities
+from mars_local.sampling import SamplingParams, position_uniforms, probabilities, sample_from
 from mars_local.verify import VerifyConfig, top2, undecided_mask, verify
 
 V = 8
@@ -242,14 +244,191 @@ def test_mars_sampling_decided_positions_follow_strict_distribution():
     assert chisquare(counts, p * n).pvalue > 1e-3
 
 
-def test_sampling_is_reproducible_with_a_seed():
-    rng_logits = np.random.default_rng(3).standard_normal((5, 50)).astype(np.float32)
-    draft = np.array([1, 2, 3, 4])
-    params = SamplingParams(temperature=0.8, seed=42)
-    a = [verify(rng_logits, draft, MARS, params, params.rng()).tokens for _ in range(3)]
-    assert a[0] == a[1] == a[2]
+# ------------------------------------------- seeds, through the engine's API
+# A synthetic target (a bigram model: the logits after token a are BIGRAM[a]) and
+# a drafter that disagrees with it, driven by the loop the engine runs: the
+# uniforms of every window come from SamplingParams.seed -> base_seed() ->
+# position_uniforms(seed, absolute position, ...), and sampled drafts draw from
+# stream 1, as mars_local.drafters does.
+BIGRAM = np.random.default_rng(11).standard_normal((V, V)).astype(np.float32) * 2
+DRAFT_BIGRAM = (BIGRAM + np.random.default_rng(12).standard_normal((V, V)) * 1.5).astype(np.float32)
+
+
+def speculate(params: SamplingParams, cfg: VerifyConfig, n_tokens: int, ks, draft_sampling="greedy",
+              prompt=(0,)) -> list[int]:
+    """Generate n_tokens after ``prompt`` with verify windows of k = ks[round % len(ks)]
+    drafts (k = 0 is plain sampling)."""
+    seed = params.base_seed()  # the user's seed, or a fresh random one
+    tokens = list(prompt)
+    rnd = 0
+    while len(tokens) - len(prompt) < n_tokens:
+        k = ks[rnd % len(ks)]
+        rnd += 1
+        draft, probs, a = [], [], tokens[-1]
+        for _ in range(k):
+            if draft_sampling == "sample":
+                q = probabilities(DRAFT_BIGRAM[a], params)
+                u = position_uniforms(seed, len(tokens) + len(draft), 1, stream=1)[0, 0]
+                a = sample_from(q, u)
+                probs.append(q)
+            else:
+                a = int(DRAFT_BIGRAM[a].argmax())
+            draft.append(a)
+        logits = BIGRAM[[tokens[-1]] + draft]
+        u = position_uniforms(seed, len(tokens), k + 1)
+        res = verify(logits, np.array(draft, dtype=np.int64), cfg, params, None,
+                     np.stack(probs) if probs else None, u)
+        tokens += res.tokens
+    return tokens[len(prompt):][:n_tokens]
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+@pytest.mark.parametrize("cfg", [STRICT, MARS], ids=["strict", "mars"])
+def test_sampling_is_reproducible_with_a_seed(cfg, draft_sampling):
+    """Same seed -> same tokens; another seed, or no seed, -> other tokens."""
+    params = SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    run = lambda p: speculate(p, cfg, 60, (3, 1, 4), draft_sampling)  # noqa: E731
+    a = run(params)
+    assert run(params) == a
+    assert run(replace(params, seed=43)) != a
+    assert run(replace(params, seed=None)) != a  # an unseeded run draws a fresh seed
+    assert run(replace(params, seed=None)) != run(replace(params, seed=None))
+
+
+def test_strict_sampling_with_deterministic_drafts_is_plain_sampling_token_for_token():
+    """The README's "same seed, same tokens" holds for deterministic drafts (any
+    window lengths, k = 0 being plain sampling), not for sampled drafts: those
+    give the same distribution (tests/test_verify_stats.py), not the same tokens."""
+    for seed in range(5):
+        params = SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=seed)
+        plain = speculate(params, STRICT, 40, (0,))
+        assert speculate(params, STRICT, 40, (4, 2, 7)) == plain
+    sampled = [speculate(replace(params, seed=s), STRICT, 40, (4,), "sample")
+               for s in range(5)]
+    plains = [speculate(replace(params, seed=s), STRICT, 40, (0,)) for s in range(5)]
+    assert sampled != plains
 
 
 def test_window_shape_is_checked():
     with pytest.raises(ValueError):
         verify(np.zeros((3, V), np.float32), np.array([1]), STRICT, GREEDY)
+
+
+# ------------------------------------------- non-finite logits, q(d) = 0
+INF, NAN = np.inf, np.nan
+PLAIN = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+TRUNCATED = SamplingParams(temperature=0.7, top_k=3, top_p=0.9, min_p=0.05)
+U_SWEEP = [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.9999999999999999]
+
+
+def test_issue_example_posinf_logit_takes_all_the_mass():
+    """[[inf, 0, 0], [0, 1, 2]], draft [1], q [.2, .4, .4], u 0.5: p = [1, 0, 0],
+    so the draft (p = 0) is rejected and the residual (p - q)+ is all on id 0."""
+    logits = np.array([[INF, 0, 0], [0, 1, 2]], dtype=np.float32)
+    q = np.array([[0.2, 0.4, 0.4]])
+    u = np.full((2, 2), 0.5)
+    np.testing.assert_array_equal(probabilities(logits[0], PLAIN), [1.0, 0.0, 0.0])
+    for cfg in (STRICT, MARS):
+        assert verify(logits, np.array([1]), cfg, PLAIN, None, q, u).tokens == [0]
+        assert verify(logits, np.array([0]), cfg, PLAIN, None, q, u).tokens[0] == 0
+
+
+@pytest.mark.parametrize("params", [PLAIN, TRUNCATED, SamplingParams(temperature=0.3, top_k=1, top_p=1.0, min_p=0.0),
+                                    SamplingParams(temperature=2.0, top_k=0, top_p=0.4, min_p=0.0),
+                                    SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.5)],
+                         ids=["plain", "truncated", "top-k 1", "top-p", "min-p"])
+def test_posinf_logits_share_the_mass_and_truncation_applies(params):
+    """Several +inf logits share the mass equally (they are tied at the top);
+    top-k / top-p / min-p then truncate as for any tie (lowest ids first)."""
+    r = row({2: INF, 5: INF, 3: 50.0}, base=0.0)
+    p = probabilities(r, params)
+    if params.top_k == 1 or params.top_p <= 0.5:
+        np.testing.assert_array_equal(p, np.eye(V)[2])  # the lowest +inf id only
+    else:
+        np.testing.assert_array_equal(np.flatnonzero(p), [2, 5])
+        assert p[2] == p[5] == 0.5
+    logits = window(r, BONUS)
+    for cfg in (STRICT, MARS):
+        for d in range(V):
+            for u in U_SWEEP:
+                res = verify(logits, np.array([d]), cfg, params, None, None, np.full((2, 2), u))
+                assert p[res.tokens[0]] > 0 and res.n_relaxed == 0, (d, u, res)
+                if d in (2, 5) and p[d] > 0:  # sample-and-compare: x = 2 for u < .5, 5 above
+                    assert res.n_accepted == (d == (2 if u < p[2] else 5))
+
+
+def test_posinf_is_the_argmax_and_never_undecided():
+    for cfg in (STRICT, MARS):
+        logits = window(row({1: INF, 4: 9.9}, base=0.0), BONUS)
+        assert verify(logits, np.array([1]), cfg, GREEDY).tokens == [1, 6]
+        assert verify(logits, np.array([4]), cfg, GREEDY).tokens == [1]  # ratio 9.9/inf = 0
+        two = window(row({1: INF, 4: INF}, base=0.0), BONUS)
+        assert verify(two, np.array([4]), cfg, GREEDY).tokens == [1]  # ratio inf/inf: decided
+
+
+def test_neginf_is_probability_zero_and_never_accepted():
+    # the runner-up of [-inf, -1, -inf, ...] is a -inf id; with the sign guard off,
+    # z2/z1 = -inf/-1 = +inf > theta, but a -inf token is never accepted
+    loose = VerifyConfig("mars", theta=0.9, require_positive_top1=False)
+    logits = window(np.array([-INF, -1.0] + [-INF] * (V - 2), dtype=np.float32), BONUS)
+    assert verify(logits, np.array([0]), loose, GREEDY).tokens == [1]
+    for params in (PLAIN, TRUNCATED):
+        for u in U_SWEEP:
+            res = verify(logits, np.array([0]), loose, params, None, None, np.full((2, 2), u))
+            assert res.tokens == [1]
+    p = probabilities(row({0: -INF, 3: -INF, 5: 2.0}), PLAIN)
+    assert p[0] == p[3] == 0.0 and p.sum() == pytest.approx(1.0)
+
+
+BAD_ROWS = [
+    ("NaN", row({3: 10.0, 5: NAN}), "NaN logits at draft position {i}"),
+    ("all NaN", np.full(V, NAN, dtype=np.float32), "NaN logits at draft position {i}"),
+    ("NaN and -inf", row({3: -INF, 5: NAN}, base=-INF), "NaN logits at draft position {i}"),
+    ("all -inf", np.full(V, -INF, dtype=np.float32), "no finite logit at draft position {i}"),
+]
+
+
+@pytest.mark.parametrize("name,bad,msg", BAD_ROWS, ids=[c[0] for c in BAD_ROWS])
+@pytest.mark.parametrize("params", [GREEDY, PLAIN, TRUNCATED], ids=["greedy", "plain", "truncated"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["deterministic", "sampled-q"])
+@pytest.mark.parametrize("cfg", [STRICT, MARS], ids=["strict", "mars"])
+def test_a_row_without_a_distribution_is_refused_where_it_is_used(name, bad, msg, params, sampled, cfg):
+    """A NaN logit (or no finite logit) in a row the rule reaches: MarsError naming
+    the window position; in a row after the first rejection: ignored."""
+    if sampled and params.greedy:
+        pytest.skip("q is only used at T > 0")
+    ok = DECIDED  # top-1 id 3 with p(3) > 0.98
+    q = np.full((2, V), 1.0 / V) if sampled else None  # q(3) = 1/8 < p(3): accepted; q(5) > p(5)
+    u = np.full((3, 2), 0.5)
+    for i in range(3):  # the bad row at position 0, 1 (a draft row) or 2 (the bonus row)
+        rows = [ok, ok, ok]
+        rows[i] = bad
+        with pytest.raises(MarsError, match=msg.format(i=i)):
+            verify(window(*rows), np.array([3, 3]), cfg, params, None, q, u)
+    # the bad row comes after a rejection: never looked at
+    res = verify(window(ok, bad, ok), np.array([5, 3]), cfg, params, None, q, u)
+    assert res.n_accepted == 0 and res.tokens == [3]
+    # an empty draft: the row is the bonus row
+    with pytest.raises(MarsError, match=msg.format(i=0)):
+        verify(window(bad), np.array([], dtype=np.int64), cfg, params, None, None, u[:1])
+
+
+@pytest.mark.parametrize("params", [PLAIN, TRUNCATED], ids=["plain", "truncated"])
+def test_a_draft_with_zero_target_probability_is_never_accepted_even_if_q_is_zero(params):
+    """q(d) = 0 used to mean "accept with probability 1" even where p(d) = 0."""
+    logits = window(row({3: 10.0, 4: 9.5, 2: -INF}, base=0.0), BONUS)  # id 2: -inf; TRUNCATED keeps 3, 4 only
+    p = probabilities(logits[0], params)
+    q = np.full((1, V), 1.0 / (V - 2))
+    q[0, 2] = q[0, 0] = 0.0
+    for cfg in (STRICT, MARS):
+        for d in range(V):
+            for u in U_SWEEP:
+                res = verify(logits, np.array([d]), cfg, params, None, q, np.full((2, 2), u))
+                if p[d] == 0:
+                    assert res.n_accepted == 0, (cfg.method, d, u)
+                    assert p[res.tokens[0]] > 0
+    # q(d) = 0 < p(d): d is accepted (min(1, p/q) = 1)
+    full = window(row({3: 1.0, 4: 0.5}, base=0.0), BONUS)
+    q = np.full((1, V), 1.0 / (V - 1))
+    q[0, 4] = 0.0
+    assert verify(full, np.array([4]), STRICT, PLAIN, None, q, np.full((2, 2), 0.999)).n_accepted == 1
