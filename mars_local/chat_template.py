@@ -34,20 +34,28 @@ whole rendered prompt, message text included.)
 
 * When no message contains special-token text, the rendered prompt is
   tokenized exactly as before (the same token ids).
-* Otherwise the template is rendered again with every message content
-  replaced by a unique sentinel (private-use characters and a random nonce).
-  The markup between sentinels must match the real render, and each message
-  must appear in it verbatim or trimmed.  The markup is searched for control
-  tokens; the text between two control tokens (markup and message text
-  joined, the same fragments llama.cpp's tokenizer would make) is tokenized
-  with special parsing off.  For benign text this gives the same ids as
-  tokenizing the whole prompt.
-* Fallback: a message without special-token text that the template rewrites
-  (``content.split('</think>')``, ``upper``) is treated as markup, as before.
-  When a message *with* special-token text is rewritten by the template, or
-  the template's markup depends on the content, the prompt cannot be split
-  safely: that message is refused with one line (remove the special tokens
-  from it) rather than passed through as control tokens.
+* Otherwise the template is rendered again with each message's text wrapped
+  in unique markers (private-use characters and a random nonce), so the
+  template still sees the real text; without the markers that render must
+  equal the real one, and the markers of every message with special-token
+  text must pair up.  The text between a pair is message text, whatever the
+  template did to it (``upper``); everything else is markup.
+* If that fails (the template trims the text, or cuts the markers off), the
+  template is rendered with each message's text *replaced* by a sentinel; the
+  markup between sentinels must match the real render and each message with
+  special-token text must appear there verbatim or trimmed.  Messages without
+  special-token text may be rewritten freely (``content.split('</think>')``):
+  their text counts as markup, tokenized as before.
+* The markup is searched for control tokens; the text between two control
+  tokens (markup and message text joined, the same fragments llama.cpp's
+  tokenizer makes) is tokenized with special parsing off.  For benign text
+  this gives the same ids as tokenizing the whole prompt.
+* Fallback: when neither split works (the template's markup depends on the
+  text in a way the markers change, e.g. ``endswith('\\n')`` checks), a
+  message with special-token text is refused with one line (remove the
+  special tokens from it) rather than passed through as control tokens.
+  Of the 65 templates in llama.cpp's models/templates that render a plain
+  conversation, 63 split.
 """
 
 from __future__ import annotations
@@ -470,6 +478,50 @@ def _has_special_text(model, text: str) -> bool:
     return pattern is not None and pattern.search(text) is not None
 
 
+def _split_wrapped(template: ChatTemplate, messages: Sequence[dict], reference: str,
+                   special: set[int]) -> list[tuple[str, bool]] | None:
+    """Render with every content wrapped in markers (the template still sees
+    the real text, so templates that inspect it behave the same); the render
+    without the markers must equal ``reference``.  The markers of each message
+    in ``special`` must pair up: the text between them is message text
+    (whatever the template did to it); other messages' text is markup."""
+    nonce = "".join(secrets.choice("0123456789") for _ in range(12))
+    wrapped = [dict(m, content=f"\ue000{nonce}{i}\ue001{m['content']}\ue002{nonce}{i}\ue003")
+               for i, m in enumerate(messages)]
+    try:
+        render = template.render(wrapped)
+    except MarsError:
+        return None
+    marker = re.compile(f"([\ue000\ue002]){nonce}(\\d+)[\ue001\ue003]")
+    if marker.sub("", render) != reference:
+        return None
+    out: list[tuple[str, bool]] = []
+    markup: list[str] = []
+    inside = None  # the special message whose text is being read
+    pos = 0
+    for m in marker.finditer(render):
+        i, opening = int(m.group(2)), m.group(1) == "\ue000"
+        text = render[pos:m.start()]
+        pos = m.end()
+        if inside is None and i not in special:
+            markup.append(text)  # a harmless message's text counts as markup
+        elif inside is None and opening:
+            markup.append(text)
+            out.append(("".join(markup), True))
+            markup.clear()
+            inside = i
+        elif inside == i and not opening:
+            out.append((text, False))
+            inside = None
+        else:
+            return None
+    if inside is not None:
+        return None
+    markup.append(render[pos:])
+    out.append(("".join(markup), True))
+    return out
+
+
 def _split(template: ChatTemplate, messages: Sequence[dict], reference: str,
            special: set[int]) -> list[tuple[str, bool]] | None:
     """[(text, is_markup)] covering ``reference``, or None when it cannot be
@@ -521,7 +573,8 @@ def tokenize_chat(template: ChatTemplate, model, messages: Sequence[dict], *, fo
     special_in = [i for i, m in enumerate(messages) if _has_special_text(model, m["content"])]
     if not special_in and not force_split:
         return model.tokenize(reference, add_special=False, parse_special=True)
-    pieces = _split(template, messages, reference, set(special_in))
+    special = set(range(len(messages))) if force_split else set(special_in)  # force_split: tests
+    pieces = _split_wrapped(template, messages, reference, special) or _split(template, messages, reference, special)
     if pieces is None:
         if not special_in:
             return model.tokenize(reference, add_special=False, parse_special=True)
