@@ -16,7 +16,10 @@ try:  # typer >= 0.25 vendors its own click
 except ImportError:  # pragma: no cover - older typer on top of click
     from click import exceptions as cx
 
+from . import cli_batch, cli_bench, cli_chat, cli_models
+from . import cli_common as opt
 from .errors import MarsError
+from .protocol import stream_stats
 
 
 def _one_line(msg: str) -> str:
@@ -108,11 +111,6 @@ def _root(
 
 
 # ------------------------------------------------------------------ run
-from . import cli_common as opt  # noqa: E402
-
-KIND_STYLE = {"draft": "green", "relaxed": "bold yellow", "target": ""}
-
-
 def read_prompt(prompt: Optional[str]) -> str:
     """PROMPT, or standard input when PROMPT is '-' or absent and stdin is not a tty.
 
@@ -134,7 +132,6 @@ def read_prompt(prompt: Optional[str]) -> str:
     return prompt
 
 
-@app.command()
 @opt.generation_options
 def run(
     prompt: Optional[str] = typer.Argument(None, help="The prompt; '-' or omitted reads standard input."),
@@ -146,7 +143,7 @@ def run(
         help="Colour each token: green = accepted draft, yellow = accepted only by MARS, plain = target.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {text, tokens, stats} and nothing else."),
-    stats: bool = typer.Option(False, "--stats", "--verbose", "-v", help="Print a timing and acceptance summary to stderr."),
+    stats: bool = typer.Option(False, "--stats", "-v", help="Print a timing and acceptance summary to stderr."),
     gen: opt.GenOptions = None,
 ) -> None:
     """Generate a completion for PROMPT (streamed as it is verified).
@@ -166,81 +163,52 @@ def run(
             prompt_in = eng.chat_prompt(messages)
         else:
             prompt_in = text
+        text_parts, tokens = [], []
+        show = None if as_json else opt.chunk_printer(show_acceptance, eng)
+        stream = eng.stream(prompt_in, cfg)
         try:
-            if as_json:
-                out = _generate(eng, prompt_in, cfg)
-                echo(json.dumps(out.to_dict(), ensure_ascii=False))
-            else:
-                out = _generate(eng, prompt_in, cfg, on_chunk=_printer(show_acceptance, eng))
-                sys.stdout.write("\n")
-                sys.stdout.flush()
+            try:
+                for chunk in stream:
+                    text_parts.append(chunk.text)
+                    tokens.extend(chunk.tokens)
+                    if show is not None:
+                        show(chunk)
+            finally:  # any way out (Ctrl-C, a closed pipe): the statistics are final
+                stream.close()
         except KeyboardInterrupt:
             if not as_json:
                 sys.stdout.write("\n")  # the cursor back at the start of a line
                 sys.stdout.flush()
-            s = getattr(eng, "last_stats", None)
+            s = stream_stats(eng, stream)
             if s is not None and not s.stop_reason:
                 s.stop_reason = "interrupted"
             if stats and s is not None:
                 echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
             raise typer.Exit(130) from None
-        if out.stats.stop_reason == "context":
+        s = stream_stats(eng, stream)
+        if as_json:
+            echo(json.dumps({"text": "".join(text_parts), "tokens": tokens, "stats": s.to_dict()}, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if s.stop_reason == "context":
             echo(opt.context_full_note(eng), err=True)
         if stats:
-            echo(opt.format_stats(out.stats, choice, gen.context_line(eng)), err=True)
+            echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
     finally:
         eng.close()
 
 
-def _generate(eng, prompt_in, cfg, on_chunk=None):
-    """Engine.generate, with the stream closed on any way out (Ctrl-C, a closed pipe)
-    so that ``eng.last_stats`` is final."""
-    from .engine import Generation
-
-    text, toks, kinds = [], [], []
-    stream = eng.stream(prompt_in, cfg)
-    try:
-        for chunk in stream:
-            text.append(chunk.text)
-            toks.extend(chunk.tokens)
-            kinds.extend(chunk.kinds)
-            if on_chunk is not None:
-                on_chunk(chunk)
-    finally:
-        close = getattr(stream, "close", None)
-        if close is not None:
-            close()
-    return Generation("".join(text), toks, kinds, eng.last_stats)
-
-
-def _printer(show_acceptance: bool, eng):
-    """Stream chunks to stdout, coloured by how each token was produced if asked."""
-    if not show_acceptance:
-        def plain(chunk):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-
-        return plain
-    from rich.console import Console
-    from rich.text import Text
-
-    console = Console(highlight=False, soft_wrap=True)
-
-    def coloured(chunk):
-        line = Text()
-        for tok, kind in zip(chunk.tokens, chunk.kinds):
-            line.append(eng.target.piece(tok).decode("utf-8", "replace"), style=KIND_STYLE.get(kind, ""))
-        console.print(line, end="")
-
-    return coloured
+# ------------------------------------------------------------ commands
+app.command()(run)
+app.command()(cli_chat.chat)
+app.command(epilog=cli_batch.EPILOG)(cli_batch.batch)
+app.command()(cli_models.models)
+app.command()(cli_models.pull)
+app.command()(cli_models.doctor)
+app.command()(cli_bench.bench)
 
 
 def main() -> None:
     """Console entry point (`mars`)."""
     app()
-
-
-from . import cli_chat  # noqa: E402,F401  (registers mars chat)
-from . import cli_batch  # noqa: E402,F401  (registers mars batch)
-from . import cli_models  # noqa: E402,F401  (registers mars models, pull, doctor)
-from . import cli_bench  # noqa: E402,F401  (registers mars bench)

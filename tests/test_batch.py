@@ -18,8 +18,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from mars_local.batch import done_ids
 from mars_local.cli import app
-from mars_local.cli_batch import done_ids
+from mars_local.stats import SpecStats
+
+from fake_engine import fake_engine  # noqa: F401  (fixture)
+
+FAKE = "fake.gguf"  # with the fake_engine fixture: no model is loaded
 
 EXIT_SKIPPED = 3  # records were skipped, the rest was done
 
@@ -84,32 +89,63 @@ def test_batch_prompts_messages_settings_and_malformed_lines(tiny_target, tmp_pa
     assert not o2.exists()
 
 
-def test_batch_stdin_to_stdout(tiny_target):
-    r = invoke("batch", "-", "-o", "-", "-m", tiny_target, "-n", 4,
-               input='{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": "world"}\n')
+def test_batch_stdin_to_stdout(fake_engine):
+    fake_engine.reply = "re: {prompt}"
+    r = invoke("batch", "-", "-o", "-", "-m", FAKE, "-n", 40,
+               input='{"id": "a", "prompt": "hello"}\n{"id": "b", "messages": [{"role": "user", "content": "hi"}]}\n')
     assert r.exit_code == 0, r.output
-    assert [json.loads(x)["id"] for x in r.stdout.splitlines()] == ["a", "b"]
+    rows = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [(x["id"], x["text"]) for x in rows] == [("a", "re: hello"), ("b", "re: <user>hi")]
+    assert all(set(x["stats"]) == set(SpecStats().to_dict()) for x in rows)
 
 
-def test_all_records_already_done_is_success(tiny_target, two, tmp_path):
+def test_record_settings_override_the_flags(fake_engine, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": 1, "prompt": "a"},
+        {"id": 2, "prompt": "b", "max_tokens": 2, "temperature": 0.5, "seed": 7, "verify": "strict", "theta": 0.5,
+         "draft_max": 3, "max_relaxed": 1},
+    ])
+    r = invoke("batch", inp, "-o", tmp_path / "out.jsonl", "-m", FAKE, "-n", 9, "--theta", "0.8", "--top-k", 5)
+    assert r.exit_code == 0, r.output
+    (_, a), (_, b) = fake_engine.calls
+    assert (a.max_tokens, a.theta, a.verify, a.sampling.top_k, a.sampling.seed) == (9, 0.8, "mars", 5, -1)
+    assert (b.max_tokens, b.theta, b.verify, b.draft_max, b.max_relaxed) == (2, 0.5, "strict", 3, 1)
+    assert (b.sampling.temperature, b.sampling.seed, b.sampling.top_k) == (0.5, 7, 5)
+
+
+def test_a_record_the_engine_refuses_is_skipped_or_fatal_with_strict(fake_engine, tmp_path):
+    fake_engine.fail_on = "poison"
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a"}, {"id": 2, "prompt": "poison"},
+                                              {"id": 3, "prompt": "c"}])
     out = tmp_path / "out.jsonl"
-    assert invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3).exit_code == 0
+    r = invoke("batch", inp, "-o", out, "-m", FAKE)
+    assert r.exit_code == EXIT_SKIPPED, r.output
+    assert "warning: skipped line 2: the fake engine refuses" in r.stderr and ids_in(out) == [1, 3]
+    assert "1 record(s) skipped (see above); 2 written" in r.stderr
+    out.unlink()
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE, "--strict"))
+    assert line.startswith("error: line 2: the fake engine refuses") and ids_in(out) == [1]
+
+
+def test_all_records_already_done_is_success(fake_engine, two, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert invoke("batch", two, "-o", out, "-m", FAKE, "-n", 3).exit_code == 0
     before = out.read_bytes()
-    r = invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3)
+    r = invoke("batch", two, "-o", out, "-m", FAKE, "-n", 3)
     no_traceback(r)
     assert r.exit_code == 0 and "nothing to do" in r.stderr and "2 record(s)" in r.stderr
     assert out.read_bytes() == before
 
 
-def test_output_to_a_device_is_written_without_fsync(tiny_target, two):
-    r = invoke("batch", two, "-o", os.devnull, "-m", tiny_target, "-n", 2)
+def test_output_to_a_device_is_written_without_fsync(fake_engine, two):
+    r = invoke("batch", two, "-o", os.devnull, "-m", FAKE, "-n", 2)
     no_traceback(r)
     assert r.exit_code == 0, r.output
 
 
-def test_input_not_found(tiny_target, tmp_path):
+def test_input_not_found(fake_engine, tmp_path):
     assert "not found" in one_error_line(invoke("batch", tmp_path / "nope.jsonl", "-o", tmp_path / "o",
-                                                "-m", tiny_target))
+                                                "-m", FAKE))
 
 
 # ------------------------------------------------- 1. an output that is not ours
@@ -126,20 +162,20 @@ NOT_OURS = {
 
 
 @pytest.mark.parametrize("content", NOT_OURS.values(), ids=NOT_OURS.keys())
-def test_refuses_an_output_that_is_not_mars_jsonl(tiny_target, two, tmp_path, content):
+def test_refuses_an_output_that_is_not_mars_jsonl(fake_engine, two, tmp_path, content):
     notes = tmp_path / "notes.txt"
     notes.write_bytes(content)
-    line = one_error_line(invoke("batch", two, "-o", notes, "-m", tiny_target, "-n", 3))
+    line = one_error_line(invoke("batch", two, "-o", notes, "-m", FAKE, "-n", 3))
     assert "notes.txt" in line
     assert notes.read_bytes() == content  # not truncated, not appended to
 
 
 # ------------------------------------------- 2. the last record of our output
-def test_last_record_without_newline_is_kept(tiny_target, two, tmp_path):
+def test_last_record_without_newline_is_kept(fake_engine, two, tmp_path):
     out = tmp_path / "out.jsonl"
     first = '{"id": 1, "text": "kept as written", "stats": {}}'
     out.write_text(first)  # complete record, no trailing newline (e.g. edited by hand)
-    r = invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3)
+    r = invoke("batch", two, "-o", out, "-m", FAKE, "-n", 3)
     no_traceback(r)
     assert r.exit_code == 0, r.output
     lines = out.read_text().splitlines()
@@ -148,10 +184,10 @@ def test_last_record_without_newline_is_kept(tiny_target, two, tmp_path):
     assert out.read_text().endswith("\n")
 
 
-def test_torn_last_line_is_cut_with_a_note(tiny_target, two, tmp_path):
+def test_torn_last_line_is_cut_with_a_note(fake_engine, two, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b", "st')
-    r = invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3)
+    r = invoke("batch", two, "-o", out, "-m", FAKE, "-n", 3)
     no_traceback(r)
     assert r.exit_code == 0, r.output
     assert "incomplete last line" in r.stderr
@@ -174,17 +210,17 @@ def test_done_ids_cuts_a_torn_line_and_completes_a_record(tmp_path):
     b'{"id": 1, "text": "a", "stats": {}}\ngarbage\n',  # a complete (terminated) bad last line is not torn
     b'{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b"\n',
 ], ids=["middle", "terminated-last", "terminated-unparsable-last"])
-def test_a_bad_line_that_is_not_a_torn_last_line_is_refused(tiny_target, two, tmp_path, content):
+def test_a_bad_line_that_is_not_a_torn_last_line_is_refused(fake_engine, two, tmp_path, content):
     out = tmp_path / "out.jsonl"
     out.write_bytes(content)
-    line = one_error_line(invoke("batch", two, "-o", out, "-m", tiny_target, "-n", 3))
+    line = one_error_line(invoke("batch", two, "-o", out, "-m", FAKE, "-n", 3))
     assert "line 2" in line
     assert out.read_bytes() == content
 
 
 # ------------------------------------------------- 3. output = input
 @pytest.mark.parametrize("how", ["same-path", "dot-slash", "symlink", "hardlink"])
-def test_output_naming_the_input_is_refused(tiny_target, two, tmp_path, monkeypatch, how):
+def test_output_naming_the_input_is_refused(fake_engine, two, tmp_path, monkeypatch, how):
     monkeypatch.chdir(tmp_path)
     before = two.read_bytes()
     if how == "same-path":
@@ -197,7 +233,7 @@ def test_output_naming_the_input_is_refused(tiny_target, two, tmp_path, monkeypa
     else:
         out = "hard.jsonl"
         os.link(two, out)
-    line = one_error_line(invoke("batch", two.name, "-o", out, "-m", tiny_target, "-n", 3))
+    line = one_error_line(invoke("batch", two.name, "-o", out, "-m", FAKE, "-n", 3))
     assert "input" in line
     assert two.read_bytes() == before
 
@@ -219,11 +255,11 @@ def test_output_naming_redirected_stdin_is_refused(tiny_target, two):
     (b'{"id": 1, "prompt": "a"}\n\x00\x00\x00\x01\x02', "binary"),
     (b'{"id": 1, "prompt": "caf\xe9"}\n', "UTF-8"),
 ], ids=["empty", "blank-lines", "nul-bytes", "latin-1"])
-def test_empty_or_binary_input_file(tiny_target, tmp_path, content, what):
+def test_empty_or_binary_input_file(fake_engine, tmp_path, content, what):
     inp = tmp_path / "in.jsonl"
     inp.write_bytes(content)
     out = tmp_path / "out.jsonl"
-    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target))
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE))
     assert what in line and "in.jsonl" in line
     assert not out.exists()
 
@@ -233,28 +269,28 @@ def test_empty_or_binary_input_file(tiny_target, tmp_path, content, what):
     (b"\x00\x01binary\x00", "binary"),
     (b'{"id": 1, "prompt": "caf\xe9"}\n', "UTF-8"),
 ], ids=["empty", "nul-bytes", "latin-1"])
-def test_empty_or_binary_stdin(tiny_target, content, what):
-    line = one_error_line(invoke("batch", "-", "-o", "-", "-m", tiny_target, input=content))
+def test_empty_or_binary_stdin(fake_engine, content, what):
+    line = one_error_line(invoke("batch", "-", "-o", "-", "-m", FAKE, input=content))
     assert what in line and "standard input" in line
 
 
 # ------------------------------------------------- 5. duplicate ids
-def test_duplicate_id_is_named_with_both_lines_and_nothing_is_generated(tiny_target, tmp_path):
+def test_duplicate_id_is_named_with_both_lines_and_nothing_is_generated(fake_engine, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [
         {"id": "a", "prompt": "x"}, {"id": "b", "prompt": "y"}, "", {"id": "a", "prompt": "z"},
     ])
     out = tmp_path / "out.jsonl"
-    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 3))
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 3))
     assert '"a"' in line and "lines 1 and 4" in line
     assert not out.exists()
 
 
-def test_duplicate_id_is_refused_even_when_already_done(tiny_target, tmp_path):
+def test_duplicate_id_is_refused_even_when_already_done(fake_engine, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 7, "prompt": "x"}, {"id": 8, "prompt": "y"},
                                               {"id": 7, "prompt": "z"}])
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": 7, "text": "t", "stats": {}}\n')
-    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 3))
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 3))
     assert "7" in line and "lines 1 and 3" in line
     assert out.read_text() == '{"id": 7, "text": "t", "stats": {}}\n'
 
@@ -306,7 +342,7 @@ def _bad_line(i, change):
     return text.replace("Infinity", "1.5e400") if "id" in change else text
 
 
-def test_bad_fields_are_named_skipped_and_exit_3(tiny_target, tmp_path):
+def test_bad_fields_are_named_skipped_and_exit_3(fake_engine, tmp_path):
     rows = [{"id": "ok1", "prompt": "hello", "max_tokens": 2, "max_relaxed": None}]
     rows += [_bad_line(i, change) for i, (change, _) in enumerate(BAD_RECORDS)]
     rows += [{"id": "ok2", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
@@ -314,7 +350,7 @@ def test_bad_fields_are_named_skipped_and_exit_3(tiny_target, tmp_path):
               "theta": 1, "draft_max": 0, "verify": "strict"}]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
-    r = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 3, "-c", 512)
+    r = invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 3, "-c", 512)
     no_traceback(r)
     assert r.exit_code == EXIT_SKIPPED, r.output
     assert ids_in(out) == ["ok1", "ok2"]  # the rest was finished
@@ -330,10 +366,10 @@ def test_bad_fields_are_named_skipped_and_exit_3(tiny_target, tmp_path):
     assert f"{len(BAD_RECORDS)} record(s) skipped" in r.stderr
 
 
-def test_bad_field_with_strict_stops_before_generating(tiny_target, tmp_path):
+def test_bad_field_with_strict_stops_before_generating(fake_engine, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a"}, {"id": 2, "prompt": "b", "top_k": "x"}])
     out = tmp_path / "out.jsonl"
-    line = one_error_line(invoke("batch", inp, "-o", out, "-m", tiny_target, "--strict"))
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE, "--strict"))
     assert line.startswith("error: line 2: 'top_k'") and "line 2: line" not in line
     assert not out.exists()
 
@@ -356,8 +392,8 @@ def test_help_documents_the_duplicate_policy_and_exit_codes():
 
 
 # ------------------------------------------------- 7. output path checked before the model loads
-def test_output_path_is_checked_before_the_model_loads(not_gguf, two, tmp_path):
-    """not_gguf fails only when loaded: the output error must come first."""
+def test_output_path_is_checked_before_the_model_loads(fake_engine, two, tmp_path):
+    """The output error comes before any model is opened."""
     (tmp_path / "a-dir").mkdir()
     (tmp_path / "a-file").write_text("x")
     cases = {
@@ -366,21 +402,23 @@ def test_output_path_is_checked_before_the_model_loads(not_gguf, two, tmp_path):
         tmp_path / "a-file" / "out.jsonl": "not a directory",
     }
     for out, expect in cases.items():
-        line = one_error_line(invoke("batch", two, "-o", out, "-m", not_gguf))
-        assert expect in line and "load" not in line, line
+        line = one_error_line(invoke("batch", two, "-o", out, "-m", FAKE))
+        assert expect in line, line
     assert (tmp_path / "a-file").read_text() == "x"
+    assert fake_engine.opened == []
 
 
-def test_unwritable_output_is_checked_before_the_model_loads_as_any_user(not_gguf, two, tmp_path, monkeypatch):
+def test_unwritable_output_is_checked_before_the_model_loads_as_any_user(fake_engine, two, tmp_path, monkeypatch):
     """Whether the output is writable is asked of os.access (faked here, so the test
     also runs as root, who can write anywhere)."""
     existing = tmp_path / "out.jsonl"
     existing.write_text('{"id": 9, "text": "t", "stats": {}}\n')
     monkeypatch.setattr(os, "access", lambda *a, **k: False)
     for out in (tmp_path / "new.jsonl", existing):
-        line = one_error_line(invoke("batch", two, "-o", out, "-m", not_gguf))
-        assert "not writable" in line and "load" not in line, line
+        line = one_error_line(invoke("batch", two, "-o", out, "-m", FAKE))
+        assert "not writable" in line, line
     assert existing.read_text() == '{"id": 9, "text": "t", "stats": {}}\n'
+    assert fake_engine.opened == []
 
 
 # ------------------------------------------------- crash safety

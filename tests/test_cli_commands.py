@@ -13,11 +13,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from mars_local import Engine
+from mars_local import Engine, GenerateConfig, MarsError
+from mars_local.chat import ChatSession, ContextDropped, Interrupted, Text, TurnDone
 from mars_local.cli import app
-from mars_local.cli_chat import ChatSession
-from mars_local.engine import GenerateConfig
 from mars_local.hub import split_parts
+
+from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
@@ -42,22 +43,28 @@ def one_error_line(r, code=2):
 
 
 # ------------------------------------------------------------------- run
-def test_run_chat_and_system_use_the_template(tiny_target):
-    plain = invoke("run", "hello", "-m", tiny_target, "-n", 6, "--json")
-    chat = invoke("run", "hello", "-m", tiny_target, "-n", 6, "--json", "--chat")
-    system = invoke("run", "hello", "-m", tiny_target, "-n", 6, "--json", "--system", "be brief")
-    n = [json.loads(r.stdout)["stats"]["n_prompt"] for r in (plain, chat, system)]
-    assert n[0] < n[1] < n[2]
+def test_run_chat_and_system_use_the_template(fake_engine):
+    for extra in ([], ["--chat"], ["--system", "be brief"]):
+        assert invoke("run", "hello", "-m", "fake.gguf", "--json", *extra).exit_code == 0
+    assert [c[0] for c in fake_engine.calls] == ["hello", "<user>hello", "<system>be brief<user>hello"]
 
 
-def test_show_acceptance_colours_tokens(tiny_target, tiny_draft):
-    r = invoke("run", "hello world", "-m", tiny_target, "-md", tiny_draft, "-n", 24, "--show-acceptance",
-               "--no-adaptive", "--draft-max", 4, env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
+def test_show_acceptance_colours_tokens(fake_engine):
+    fake_engine.reply, fake_engine.chunk = "dr", 1  # kinds: draft, relaxed, target, ...
+    r = invoke("run", "hi", "-m", "fake.gguf", "--show-acceptance", env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
     assert r.exit_code == 0, r.output
-    assert "\x1b[32m" in r.stdout  # green: accepted draft tokens
+    assert "\x1b[32md" in r.stdout and "\x1b[1;33mr" in r.stdout  # green: draft; bold yellow: relaxed by MARS
+    plain = invoke("run", "hi", "-m", "fake.gguf", env={"FORCE_COLOR": "1", "TERM": "xterm-256color"})
+    assert plain.stdout == "dr\n"
 
 
-def test_chat_without_template_is_refused(tiny_dir):
+def test_chat_without_template_is_refused(tiny_dir, fake_engine):
+    fake_engine.has_chat_template = False
+    line = one_error_line(invoke("chat", "-m", "fake.gguf", input="hi\n"))
+    assert "fake.gguf has no chat template" in line and fake_engine.closed
+
+
+def test_run_chat_without_template_is_refused(tiny_dir):
     from tinymodels import make_tiny_llama
 
     path = make_tiny_llama(tiny_dir / "no-template.gguf", chat_template=None)
@@ -65,54 +72,114 @@ def test_chat_without_template_is_refused(tiny_dir):
 
 
 # ------------------------------------------------------------------ chat
-@pytest.fixture()
-def session(tiny_target, tiny_draft):
-    eng = Engine(tiny_target, tiny_draft, n_ctx=512)
-    yield ChatSession(eng, GenerateConfig.make(max_tokens=12, verify="mars"), system="be nice")
-    eng.close()
-
-
-def test_chat_reuses_the_kv_cache_across_turns(session):
-    from dataclasses import replace
-
-    # strict: the answers (and so what the next turn can reuse) do not depend on the draft lengths chosen
-    session.config = replace(session.config, verify="strict")
-    session.ask("hello world", lambda c: None)
-    first = session.last_stats
-    session.ask("the a the a", lambda c: None)
-    second = session.last_stats
+def test_chat_reuses_the_kv_cache_across_turns(tiny_target, tiny_draft):
+    with Engine(tiny_target, tiny_draft, n_ctx=512) as eng:
+        # strict: the answers (and so what the next turn can reuse) do not depend on the draft lengths chosen
+        session = ChatSession(eng, GenerateConfig.make(max_tokens=12, verify="strict"), system="be nice")
+        list(session.ask("hello world"))
+        first = session.last_stats
+        list(session.ask("the a the a"))
+        second = session.last_stats
     # turn 2 re-renders the whole conversation but evaluates little more than the new message
     new_tokens = second.n_prompt - first.n_prompt
     assert second.n_prompt_evaluated < new_tokens
     assert second.n_prompt_evaluated < second.n_prompt / 2
 
 
-def test_chat_slash_commands(session):
+def fake_session(**fields) -> ChatSession:
+    eng = FakeEngine(**{"n_ctx_asked": 512, **fields})
+    return ChatSession(eng, GenerateConfig.make(max_tokens=12, verify="mars"), system="be nice")
+
+
+def test_chat_turn_events_and_history():
+    s = fake_session(reply="hi there", chunk=3)
+    events = list(s.ask("hello"))
+    assert [type(e) for e in events] == [Text, Text, Text, TurnDone]
+    assert "".join(e.text for e in events[:-1]) == "hi there"
+    done = events[-1]
+    assert done.answer == "hi there" and done.stats is s.last_stats and done.stats.n_generated == 8
+    assert not done.interrupted and not done.cut_by_context
+    assert s.engine.calls[0][0] == "<system>be nice<user>hello"
+    list(s.ask("again"))
+    assert s.engine.calls[1][0] == "<system>be nice<user>hello<assistant>hi there<user>again"
+
+
+def test_chat_ctrl_c_keeps_the_partial_answer():
+    s = fake_session(reply="abcdefgh", chunk=2, interrupt_after=2)  # Ctrl-C during the third chunk
+    events = list(s.ask("hello"))
+    assert [type(e) for e in events] == [Text, Text, Interrupted, TurnDone]
+    assert events[-1].interrupted and events[-1].answer == "abcd" and events[-1].stats.stop_reason == "interrupted"
+    assert s.messages[-1] == {"role": "assistant", "content": "abcd"}
+    # the consumer stopping (Ctrl-C while it renders) keeps what was said too
+    s = fake_session(reply="abcdefgh", chunk=2)
+    turn = s.ask("hello")
+    next(turn), next(turn)
+    turn.close()
+    assert s.messages[-1] == {"role": "assistant", "content": "abcd"}
+    assert s.last_stats.stop_reason == "interrupted"
+
+
+def test_chat_says_when_the_context_cut_the_answer():
+    s = fake_session(reply="x" * 1000, n_ctx_asked=256)
+    s.config = GenerateConfig.make(max_tokens=1000)
+    done = list(s.ask("hello"))[-1]
+    assert done.cut_by_context and len(done.answer) == 256 - len(s.engine.calls[0][0]) - 1  # the room left
+    s = fake_session(reply="x" * 1000)  # stopped by -n, not by the context
+    assert not list(s.ask("hello"))[-1].cut_by_context
+
+
+def test_chat_slash_commands():
+    session = fake_session()
     assert "/reset" in session.command("/help")
     assert session.command("/verify strict") == "(verification: strict)" and session.config.verify == "strict"
+    assert session.command("/verify loose").startswith("usage")
     assert session.command("/theta 0.8") == "(theta = 0.8)" and session.config.theta == 0.8
-    assert session.command("/theta 7").startswith("usage")
+    assert session.command("/theta 7").startswith("usage") and session.config.theta == 0.8
     assert session.command("/stats") == "(no answer yet)"
-    session.ask("hello", lambda c: None)
-    assert "tokens/s" in session.command("/stats")
-    assert session.command("/system short") .startswith("(system prompt set") and session.messages == []
-    assert session.command("/reset") == "(conversation reset)"
+    list(session.ask("hello"))
+    assert session.command("/stats").startswith("11 tokens, ")
+    assert session.command("/system short").startswith("(system prompt set") and session.messages == []
+    assert session.system == "short"
+    list(session.ask("hello"))
+    assert session.command("/reset") == "(conversation reset)" and session.messages == []
     assert session.command("/bogus").startswith("unknown command")
     assert session.command("/quit") is None
 
 
-def test_chat_slides_history_when_the_context_fills(tiny_target):
-    with Engine(tiny_target, n_ctx=256) as eng:
-        s = ChatSession(eng, GenerateConfig.make(max_tokens=8), reserve=16)
-        for i in range(12):
-            s.ask(f"w{i} " * 6, lambda c: None)
-        assert len(eng.chat_prompt(s.messages)) <= eng.n_ctx
-        assert s.messages[-2]["content"].startswith("w11")
-        # a message that can never fit is refused and loses nothing
-        before = list(s.messages)
-        with pytest.raises(Exception, match="context"):
-            s.ask("hello " * 400, lambda c: None)
-        assert s.messages == before
+def test_chat_slides_history_when_the_context_fills():
+    s = fake_session(reply="ok", n_ctx_asked=256)
+    s.reserve = 16
+    dropped = 0
+    for i in range(12):
+        events = list(s.ask(f"w{i} " * 6))
+        dropped += sum(e.turns for e in events if isinstance(e, ContextDropped))
+    assert dropped > 0 and len(s.messages) == 2 * (12 - dropped)
+    assert max(len(c[0]) for c in s.engine.calls) <= 256 - 16  # every prompt left room for the answer
+    assert s.messages[-2]["content"].startswith("w11")
+    # a message that can never fit is refused and loses nothing
+    before = list(s.messages)
+    with pytest.raises(MarsError, match="context"):
+        list(s.ask("hello " * 400))
+    assert s.messages == before
+
+
+def test_chat_command_renders_turns_and_notes(fake_engine):
+    fake_engine.reply = "answer"
+    r = invoke("chat", "-m", "fake.gguf", "--system", "sys", input="hello\n/stats\n/theta 2\n\nbye\n")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[0].startswith("mars chat with fake.gguf (drafter: none, verify: mars)")
+    assert r.stdout.count(">>> answer\n") == 2 and "6 tokens, " in r.stdout and "usage: /theta" in r.stdout
+    assert [c[0] for c in fake_engine.calls][-1] == "<system>sys<user>hello<assistant>answer<user>bye"
+    # an answer cut by the context: a note; Ctrl-C: "(stopped)" and the chat goes on
+    fake_engine.calls.clear()
+    fake_engine.reply = "y" * 600
+    r = invoke("chat", "-m", "fake.gguf", "-c", "256", "-n", "1000", input="a b c\n")
+    assert r.exit_code == 0 and "note: the answer stopped at the end of the context (256 tokens)" in r.stderr
+    fake_engine.interrupt_after = 1
+    r = invoke("chat", "-m", "fake.gguf", input="one\ntwo\n")
+    assert r.exit_code == 0 and r.stderr.count("(stopped)") == 2 and len(fake_engine.calls) == 3
+    r = invoke("chat", "-m", "fake.gguf", "-c", "256", input="hello " * 100 + "\n")
+    assert r.exit_code == 0 and "error: this message is" in r.stderr
 
 
 @pytest.mark.slow

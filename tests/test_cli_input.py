@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,8 @@ from typer.testing import CliRunner
 from tinymodels import make_tiny_llama
 
 from mars_local.cli import app
+
+from fake_engine import fake_engine  # noqa: F401  (fixture)
 
 runner = CliRunner()
 MARS = [sys.executable, "-m", "mars_local"]
@@ -62,26 +63,33 @@ def slow_run(long_model, tiny_draft, *extra):
 
 
 # ------------------------------------------------------- 1. bytes that are not UTF-8
-def test_stdin_that_is_not_utf8_is_replaced_with_one_warning(tiny_target, empty_config):
-    p = mars("run", "-", "-m", tiny_target, "-t", 1, "-n", 4, "--json", input=b"caf\xe9 the a", env=empty_config)
-    assert p.returncode == 0, p.stderr
-    err = err_lines(p)
+def test_stdin_that_is_not_utf8_is_replaced_with_one_warning(fake_engine):
+    r = invoke("run", "-", "-m", "fake.gguf", "--json", input=b"caf\xe9 the a")
+    assert r.exit_code == 0, r.output
+    err = r.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warning:") and "UTF-8" in err[0], err
-    same = mars("run", "caf\ufffd the a", "-m", tiny_target, "-t", 1, "-n", 4, "--json", env=empty_config)
-    assert json.loads(p.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
+    assert fake_engine.calls[0][0] == "caf\ufffd the a"
 
 
-def test_an_argument_with_a_lone_surrogate_is_replaced_with_one_warning(tiny_target, empty_config):
+def test_an_argument_with_a_lone_surrogate_is_replaced_with_one_warning(fake_engine):
     # $'caf\xe9' reaches Python as 'caf\udce9'
+    r = invoke("run", "caf\udce9 the a", "-m", "fake.gguf", "--json")
+    assert r.exit_code == 0, r.output
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning:") and "UTF-8" in err[0], err
+    # the system prompt too (and it goes through the chat template)
+    r = invoke("run", "hi", "--system", "be \udcff brief", "-m", "fake.gguf", "--json")
+    assert r.exit_code == 0 and "--system is not valid UTF-8" in r.stderr
+    assert [c[0] for c in fake_engine.calls] == ["caf\ufffd the a", "<system>be \ufffd brief<user>hi"]
+
+
+def test_invalid_utf8_through_the_real_entry_point(tiny_target, empty_config):
     p = mars("run", b"caf\xe9 the a", "-m", tiny_target, "-t", 1, "-n", 4, "--json", env=empty_config)
     assert p.returncode == 0, p.stderr
     err = err_lines(p)
     assert len(err) == 1 and err[0].startswith("warning:") and "UTF-8" in err[0], err
     same = mars("run", "caf\ufffd the a", "-m", tiny_target, "-t", 1, "-n", 4, "--json", env=empty_config)
     assert json.loads(p.stdout)["tokens"] == json.loads(same.stdout)["tokens"]
-    # the system prompt too (and it goes through the chat template)
-    p = mars("run", "hi", "--system", b"be \xff brief", "-m", tiny_target, "-t", 1, "-n", 2, "--json", env=empty_config)
-    assert p.returncode == 0 and any("UTF-8" in e for e in err_lines(p))
 
 
 def test_chat_input_that_is_not_utf8_is_replaced_with_one_warning(tiny_target, empty_config):
@@ -124,11 +132,11 @@ def test_a_broken_registry_is_one_line_naming_the_file(broken_registry):
         assert needle.lower() in lines[0].lower(), (needle, lines[0])
 
 
-def test_a_broken_registry_does_not_stop_a_run_of_a_file(broken_registry, tiny_target):
+def test_a_broken_registry_does_not_stop_a_run_of_a_file(broken_registry, fake_engine):
     env, path, _ = broken_registry
-    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "--json", env=env)
+    r = invoke("run", "hello", "-m", "fake.gguf", "--json", env=env)
     assert r.exit_code == 0, (r.output, r.exception)
-    assert json.loads(r.stdout)["stats"]["n_generated"] >= 1
+    assert str(fake_engine.opened[0]["target"]) == "fake.gguf"
     # a registry name does need it: the error names the file
     r = invoke("run", "hello", "-m", "smollm2-135m", "-n", 2, env=env)
     assert r.exit_code == 2 and str(path) in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
@@ -177,50 +185,56 @@ def test_impossible_flags_are_refused_before_any_model_loads(case, tmp_path, emp
     assert "not found" not in lines[0]
 
 
-def test_threads_above_the_core_count_warn(tiny_target, empty_config):
+def test_threads_above_the_core_count_warn(fake_engine, empty_config):
     n = (os.cpu_count() or 1) + 1
-    r = invoke("run", "hello", "-m", tiny_target, "-n", 2, "-t", n, "--json", env=empty_config)
+    r = invoke("run", "hello", "-m", "fake.gguf", "-t", n, "--json", env=empty_config)
     assert r.exit_code == 0, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning:") and f"-t {n}" in lines[0], r.stderr
+    assert fake_engine.opened[0]["n_threads"] == n
 
 
-def test_a_context_beyond_training_warns_once(tiny_target, empty_config):
-    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "-c", 4096, "--json", env=empty_config)
+def test_a_context_beyond_training_warns_once(fake_engine, empty_config):
+    r = invoke("run", "hello", "-m", "fake.gguf", "-c", 4096, "--json", env=empty_config)
     assert r.exit_code == 0, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning:"), r.stderr
     assert "-c 4096" in lines[0] and "training context (1024)" in lines[0]
     # not when the user asked for nothing (the default), nor within the training context
     for extra in ([], ["-c", "1024"], ["-c", "0"]):
-        r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "--json", *extra, env=empty_config)
+        r = invoke("run", "hello", "-m", "fake.gguf", "--json", *extra, env=empty_config)
         assert r.exit_code == 0 and r.stderr == "", (extra, r.stderr)
 
 
-def test_ctx_zero_means_the_training_context_and_stats_show_the_size(tiny_target, empty_config):
-    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "-c", 0, "--stats", env=empty_config)
+def test_ctx_zero_means_the_training_context_and_stats_show_the_size(fake_engine, empty_config):
+    r = invoke("run", "hello", "-m", "fake.gguf", "-c", 0, "--stats", env=empty_config)
     assert r.exit_code == 0, r.output
-    assert "context size:         1024 tokens" in r.stderr, r.stderr
-    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "-c", 64, "--stats", env=empty_config)
+    assert "context size:         1024 tokens (-c 0: the model's training context)" in r.stderr, r.stderr
+    r = invoke("run", "hello", "-m", "fake.gguf", "--ctx-size", 64, "--stats", env=empty_config)
     line = next(ln for ln in r.stderr.splitlines() if ln.startswith("context size:"))
-    assert "-c 64" in line, line  # the size used, and what was asked for when they differ
+    assert line.endswith("256 tokens (--ctx-size 64)"), line  # the size used, and what was asked for
+
+
+def test_ctx_sizes_of_a_real_model(tiny_target, empty_config):
+    r = invoke("run", "hello", "-m", tiny_target, "-t", 1, "-n", 2, "-c", 0, "--stats", env=empty_config)
+    assert r.exit_code == 0 and "context size:         1024 tokens" in r.stderr, r.output
 
 
 # ------------------------------------------------------- 4. a full context
-def test_run_says_when_the_context_filled(tiny_target, empty_config):
-    r = invoke("run", "a b c", "-m", tiny_target, "-t", 1, "-c", 64, "-n", 1000, env=empty_config)
+def test_run_says_when_the_context_filled(fake_engine, empty_config):
+    fake_engine.reply = "x" * 1000
+    r = invoke("run", "a b c", "-m", "fake.gguf", "-c", 256, "-n", 1000, env=empty_config)
     assert r.exit_code == 0, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("note:") and "context" in lines[0] and "full" in lines[0], r.stderr
+    assert r.stderr == "note: stopped: the context (256 tokens) is full; a larger -c makes room\n", r.stderr
     # and not when the generation ended otherwise
-    r = invoke("run", "a b c", "-m", tiny_target, "-t", 1, "-c", 1024, "-n", 10, env=empty_config)
+    r = invoke("run", "a b c", "-m", "fake.gguf", "-c", 1024, "-n", 10, env=empty_config)
     assert r.exit_code == 0 and r.stderr == "", r.stderr
 
 
-def test_chat_says_when_an_answer_was_cut_by_the_context(tiny_target, empty_config):
-    p = mars("chat", "-m", tiny_target, "-t", 1, "-c", 64, "-n", 1000, input=b"a b c\n", env=empty_config)
-    assert p.returncode == 0, p.stderr
-    assert any(e.startswith("note:") and "context" in e for e in err_lines(p)), p.stderr
+def test_a_real_model_stops_at_a_full_context(tiny_target, empty_config):
+    r = invoke("run", "a b c", "-m", tiny_target, "-t", 1, "-c", 64, "-n", 1000, "--json", env=empty_config)
+    assert r.exit_code == 0 and json.loads(r.stdout)["stats"]["stop_reason"] == "context", r.output
+    assert "context" in r.stderr and "full" in r.stderr
 
 
 # ------------------------------------------------------- 5. a closed pipe

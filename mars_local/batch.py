@@ -1,0 +1,437 @@
+"""Batch generation over JSONL records, resumable: record parsing and validation,
+per-record settings merged over the command line's, output safety, the runner.
+
+`mars batch` (:mod:`mars_local.cli_batch`) parses flags, renders progress and
+writes the lines.
+
+Input lines: ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}``
+(rendered with the model's chat template; roles system, user, assistant or
+tool), optionally with per-line settings (any of ``max_tokens``,
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``verify``,
+``theta``, ``draft_max``, ``max_relaxed``).  The input must be UTF-8 text with
+at least one record; an empty or binary input is an error.
+Output lines: ``{"id", "text", "stats"}``, one complete line written and
+flushed per record, so a crash or Ctrl-C loses at most the record in flight.
+
+Nothing that mars-local did not write is ever changed:
+
+* an existing OUTPUT is resumed only if every line is one of its records (a
+  JSON object with an ``id`` and a string ``text``); anything else (notes, an
+  input file, a model) is refused untouched.  Rerunning skips ids already in
+  the output.  The only edits ever made to an existing output: a last record
+  without its newline gets one, and a torn last line (a kill in the middle of
+  a write: unterminated, unparsable, starting the way mars-local's records
+  start) is cut off, with a note on stderr.  Any other bad line is refused.
+* OUTPUT naming the input (same path, ``./``, a symlink, a hard link, or the
+  file redirected to standard input) is refused.
+* the output path (missing directory, a directory, not writable) is checked
+  before the model loads.
+
+Policies:
+
+* duplicate ids: the batch is refused before anything is generated, naming the
+  id and both line numbers (a duplicate makes "which output is which"
+  ambiguous, and a half-done batch would have to be untangled by hand).
+* a record with a bad field (each field's type and range is checked before any
+  generation, ``max_tokens`` against the context size) is skipped with one
+  warning naming the line and the field; the rest is generated, then the
+  number skipped is printed and the exit code is 3.  ``--strict`` makes the
+  first bad record an error (exit 2) instead.
+
+Exit codes: 0 every record is in OUTPUT (including "nothing to do"); 2 an
+error, reported as one line; 3 records were skipped (the rest is done).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import stat
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional
+
+from .chat import check_messages, short_json as _show
+from .choices import VERIFY_METHODS
+from .errors import MarsError
+
+EXIT_SKIPPED = 3  # some records were skipped; every other one was generated
+
+LINE_SETTINGS = {
+    "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "verify", "theta", "draft_max", "max_relaxed",
+}
+SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "seed"}
+RECORD_PREFIX = b'{"id": '  # how every line mars-local writes begins (json.dumps of a dict keyed "id" first)
+
+
+@dataclass
+class Record:
+    line_no: int
+    id: object
+    prompt: Optional[str]
+    messages: Optional[list]
+    settings: dict
+    config: object = None
+
+
+# ----------------------------------------------------------------- input
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _valid_id(v) -> bool:
+    return isinstance(v, str) or _is_num(v)
+
+
+def id_key(v) -> str:
+    return json.dumps(v)
+
+
+def check_settings(settings: dict, ctx_size: Optional[int] = None) -> None:
+    """Each per-line setting's type and range; MarsError naming the field."""
+    from .generation import MAX_DRAFT
+
+    def bad(name, what):
+        raise MarsError(f"'{name}' must be {what}, got {_show(settings[name])}")
+
+    for name, v in sorted(settings.items()):
+        if name == "max_tokens":
+            top = f" to {ctx_size} (the context size, -c)" if ctx_size else " or more"
+            if not _is_int(v) or v < 1 or (ctx_size and v > ctx_size):
+                bad(name, f"a whole number from 1{top}")
+        elif name == "seed":
+            if not _is_int(v) or not -(2**63) <= v < 2**64:
+                bad(name, "a whole number (negative = random)")
+        elif name == "temperature":
+            if not _is_num(v) or v < 0:
+                bad(name, "a finite number >= 0")
+        elif name == "top_k":
+            if not _is_int(v) or v < 0:
+                bad(name, "a whole number >= 0 (0 = off)")
+        elif name == "top_p":
+            if not _is_num(v) or not 0 < v <= 1:
+                bad(name, "a number in (0, 1] (1 = off)")
+        elif name == "min_p":
+            if not _is_num(v) or not 0 <= v < 1:
+                bad(name, "a number in [0, 1) (0 = off)")
+        elif name == "theta":
+            if not _is_num(v) or not 0 < v <= 1:
+                bad(name, "a number in (0, 1]")
+        elif name == "draft_max":
+            if not _is_int(v) or not 0 <= v <= MAX_DRAFT:
+                bad(name, f"a whole number from 0 to {MAX_DRAFT}")
+        elif name == "max_relaxed":
+            if v is not None and (not _is_int(v) or v < 0):
+                bad(name, "a whole number >= 0 or null (no cap)")
+        elif name == "verify":
+            if v not in VERIFY_METHODS:
+                bad(name, " or ".join(VERIFY_METHODS))
+
+
+def _check_record(obj: dict, ctx_size: Optional[int]) -> Record:
+    """Everything but the line number in the message (the caller adds it once)."""
+    if "id" not in obj:
+        raise MarsError("needs an 'id' (string or number)")
+    if not _valid_id(obj["id"]):
+        raise MarsError(f"'id' must be a string or a finite number, got {_show(obj['id'])}")
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        raise MarsError("needs exactly one of 'prompt' or 'messages'")
+    if has_prompt and (not isinstance(obj["prompt"], str) or not obj["prompt"].strip()):
+        raise MarsError(f"'prompt' must be a non-empty string, got {_show(obj['prompt'])}")
+    if has_messages:
+        check_messages(obj["messages"])
+    extra = set(obj) - {"id", "prompt", "messages"} - LINE_SETTINGS
+    if extra:
+        raise MarsError(f"unknown field(s) {', '.join(sorted(extra))}")
+    settings = {k: obj[k] for k in LINE_SETTINGS if k in obj}
+    check_settings(settings, ctx_size)
+    return Record(0, obj["id"], obj.get("prompt"), obj.get("messages"), settings)
+
+
+def _load_json(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise MarsError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise MarsError("not valid JSON (nested too deeply)") from None
+
+
+def parse_line(line: str, line_no: int, ctx_size: Optional[int] = None) -> Record:
+    """One input line; MarsError starting with the line number when it is malformed."""
+    try:
+        obj = _load_json(line)
+        if not isinstance(obj, dict):
+            raise MarsError(f"expected a JSON object, got {_show(obj)}")
+        rec = _check_record(obj, ctx_size)
+    except MarsError as exc:
+        raise MarsError(f"line {line_no}: {exc}") from None
+    rec.line_no = line_no
+    return rec
+
+
+def read_input(input: str) -> tuple[str, list[str]]:
+    """(name for messages, lines) of INPUT ('-': standard input), as UTF-8 text
+    with at least one non-blank line; MarsError otherwise."""
+    if input == "-":
+        name = "standard input"
+        if sys.stdin is None:
+            raise MarsError("no standard input to read (it is closed)")
+        stream = getattr(sys.stdin, "buffer", None)
+        data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    else:
+        name = input
+        try:
+            data = Path(input).read_bytes()
+        except FileNotFoundError:
+            raise MarsError(f"input file not found: {input}") from None
+        except IsADirectoryError:
+            raise MarsError(f"input {input} is a directory, not a JSONL file") from None
+        except OSError as exc:
+            raise MarsError(f"cannot read {input}: {exc.strerror or exc}") from None
+    if b"\x00" in data:
+        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
+        raise MarsError(f"{name} is binary, not JSONL text (a NUL byte on line {line})")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise MarsError(
+            f"{name} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); convert it to UTF-8"
+        ) from None
+    text = text.removeprefix("\ufeff")
+    if not text:
+        raise MarsError(f"{name} is empty: there are no records to generate")
+    if not text.strip():
+        raise MarsError(f"{name} has no records (only blank lines)")
+    # split on "\n" only: str.splitlines would also split at U+2028 and friends inside JSON strings
+    return name, [x.removesuffix("\r") for x in text.split("\n")]
+
+
+def read_records(lines, base, ctx_size: Optional[int] = None, name: str = "the input"):
+    """(records, problems) of the non-blank lines; problems are (line number,
+    message) of the lines to skip, each record carries its GenerateConfig.
+    A duplicate id is an error (naming both lines) whatever else is wrong with
+    those lines."""
+    records, problems, first_line = [], [], {}
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError):
+            obj = None
+        if isinstance(obj, dict) and _valid_id(obj.get("id")):
+            key = id_key(obj["id"])
+            if key in first_line:
+                raise MarsError(
+                    f"duplicate id {key} on lines {first_line[key]} and {i} of {name}; ids must be unique, "
+                    "so nothing was generated"
+                )
+            first_line[key] = i
+        try:
+            rec = parse_line(line, i, ctx_size)
+            rec.config = config_for(base, rec.settings, i)
+        except MarsError as exc:
+            problems.append((i, str(exc)))
+            continue
+        records.append(rec)
+    return records, problems
+
+
+# ----------------------------------------------------------------- output
+@dataclass
+class OutputState:
+    """What an existing OUTPUT holds, and the one fix-up it may need."""
+
+    path: Path
+    ids: set = field(default_factory=set)
+    size: int = 0
+    cut_to: Optional[int] = None  # a torn last line starts here
+    add_newline: bool = False
+
+    def apply(self) -> Optional[str]:
+        """Cut a torn last line, or end the last record's line; nothing else.
+        Returns a note for the user when a line was cut."""
+        if self.cut_to is None and not self.add_newline:
+            return None
+        with self.path.open("r+b") as fh:
+            if fh.seek(0, os.SEEK_END) != self.size:
+                raise MarsError(f"{self.path} changed while mars batch was reading it; run again")
+            if self.cut_to is not None:
+                fh.truncate(self.cut_to)
+            else:
+                fh.write(b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        note = None
+        if self.cut_to is not None:
+            note = f"removed an incomplete last line (a record cut off mid-write) from {self.path}"
+        self.size = self.cut_to if self.cut_to is not None else self.size + 1
+        self.cut_to, self.add_newline = None, False
+        return note
+
+
+def _record_id(raw: bytes) -> Optional[str]:
+    """The id key of one of mars-local's output lines, or None if it is not one."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(obj, dict) and _valid_id(obj.get("id")) and isinstance(obj.get("text"), str):
+        return id_key(obj["id"])
+    return None
+
+
+def scan_output(path: Path) -> OutputState:
+    """Ids already in OUTPUT; MarsError (file untouched) unless every line is
+    one of mars-local's records, bar a torn last line."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return OutputState(path)
+    if not stat.S_ISREG(st.st_mode):  # /dev/null, a pipe: nothing to resume, nothing to read
+        return OutputState(path)
+    data = path.read_bytes()
+    state = OutputState(path, size=len(data))
+    *lines, tail = data.split(b"\n")
+
+    def refuse(n: int, why: str):
+        raise MarsError(
+            f"{path}: line {n} {why}; mars batch appends only to its own output (JSONL records with 'id' and "
+            "'text') and leaves this file as it is: choose another -o"
+        )
+
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        key = _record_id(raw)
+        if key is None:
+            refuse(n, "is not a mars batch record")
+        state.ids.add(key)
+    if tail.strip():
+        key = _record_id(tail)
+        if key is not None:  # a complete record without its newline: keep it
+            state.ids.add(key)
+            state.add_newline = True
+        elif tail.startswith(RECORD_PREFIX):  # a record cut off mid-write
+            state.cut_to = len(data) - len(tail)
+        else:
+            refuse(len(lines) + 1, "is not a mars batch record")
+    return state
+
+
+def done_ids(path: Path) -> set:
+    """Ids already in OUTPUT, after its fix-up (see :func:`scan_output`)."""
+    state = scan_output(path)
+    state.apply()
+    return state.ids
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def check_output_path(output: str, input: str) -> None:
+    """Refuse an OUTPUT that cannot be written or that is the input, before any model loads."""
+    p = Path(output)
+    try:
+        st = p.stat()
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:  # e.g. a path through a regular file
+        if exc.errno == errno.ENOTDIR:
+            parent = next((a for a in p.parents if a.is_file()), p.parent)
+            raise MarsError(f"cannot write {output}: {parent} is not a directory") from None
+        raise MarsError(f"cannot write {output}: {exc.strerror or exc}") from None
+    if st is None:
+        parent = p.parent
+        if not parent.exists():
+            raise MarsError(f"cannot write {output}: directory {parent} does not exist")
+        if not parent.is_dir():
+            raise MarsError(f"cannot write {output}: {parent} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise MarsError(f"cannot write {output}: directory {parent} is not writable")
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise MarsError(f"output {output} is a directory; give a file name, e.g. {p / 'out.jsonl'}")
+    if input == "-":
+        try:
+            same = _same_file(os.fstat(sys.stdin.fileno()), st) and stat.S_ISREG(st.st_mode)
+        except (AttributeError, OSError, ValueError):  # no real stdin (a test runner, closed)
+            same = False
+        if same:
+            raise MarsError(f"output {output} is the input (redirected to standard input); choose another -o")
+    else:
+        try:
+            same = _same_file(os.stat(input), st)
+        except OSError:
+            same = False
+        if same:
+            raise MarsError(f"output {output} is the input file {input}; choose another -o")
+    if not os.access(p, os.W_OK):
+        raise MarsError(f"cannot write {output}: the file is not writable")
+
+
+def config_for(base, settings: dict, line_no: int):
+    """The command line's GenerateConfig with a record's settings over it;
+    MarsError naming the line when the two do not combine."""
+    if not settings:
+        return base
+    s_kw = {k: v for k, v in settings.items() if k in SAMPLING_KEYS}
+    g_kw = {k: v for k, v in settings.items() if k not in SAMPLING_KEYS}
+    try:
+        return replace(base, sampling=replace(base.sampling, **s_kw), **g_kw)
+    except MarsError as exc:  # a combination with the command-line flags, e.g. --draft-min above draft_max
+        raise MarsError(f"line {line_no}: {exc}") from None
+
+
+# ----------------------------------------------------------------- running
+def pending(records: Iterable[Record], ids: set) -> list[Record]:
+    """The records whose id is not among ``ids`` (those already in OUTPUT)."""
+    return [r for r in records if id_key(r.id) not in ids]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One record's result: ``line`` (the JSONL line to write, without its
+    newline) and ``stats``, or ``error`` (the record was skipped), or neither
+    (its id is already in OUTPUT)."""
+
+    record: Record
+    line: Optional[str] = None
+    stats: object = None
+    error: Optional[str] = None
+
+
+def output_line(rec: Record, generation) -> str:
+    """A record's output line: ``{"id", "text", "stats"}`` (it starts with RECORD_PREFIX)."""
+    return json.dumps({"id": rec.id, "text": generation.text, "stats": generation.stats.to_dict()},
+                      ensure_ascii=False)
+
+
+def run_batch(engine, records: Iterable[Record], done: Iterable = ()) -> Iterator[Outcome]:
+    """Generate every record in turn (messages through the chat template), one
+    Outcome each; an id in ``done`` (written since the records were planned) is
+    passed over, and a record the engine refuses (MarsError) is an Outcome with
+    ``error``, not an exception."""
+    for rec in records:
+        if id_key(rec.id) in done:
+            yield Outcome(rec)
+            continue
+        try:
+            prompt = engine.chat_prompt(rec.messages) if rec.messages is not None else rec.prompt
+            result = engine.generate(prompt, rec.config)
+        except MarsError as exc:
+            yield Outcome(rec, error=str(exc))
+            continue
+        yield Outcome(rec, output_line(rec, result), result.stats)
