@@ -11,15 +11,35 @@ Python API (see README.md, "Python API")::
             print(chunk.text, end="")
 
 The verification rules are pure functions in :mod:`mars_local.verify`.
+
+The engine's names are imported on first use (PEP 562), so ``import
+mars_local.verify`` (or sampling, adaptive, stats, drafters, learned, errors)
+does not load llama.cpp: the engine and llama-cpp-python load when
+:class:`Engine` is first named, and llama.cpp's backend starts with the first
+model.
 """
 
-from .engine import Chunk, Engine, GenerateConfig, Generation
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+# Pure modules (numpy only), imported now: ``mars_local.verify`` must be the
+# function, and importing the submodule later would bind the module instead.
 from .errors import MarsError
 from .sampling import SamplingParams
-from .stats import SpecStats
 from .verify import VerifyConfig, VerifyResult, verify
 
 __version__ = "0.1.0"
+
+# lazily exported name -> the submodule that defines it
+_LAZY = {
+    "Chunk": "engine",
+    "Engine": "engine",
+    "GenerateConfig": "engine",
+    "Generation": "engine",
+    "SpecStats": "stats",
+}
 
 __all__ = [
     "Chunk",
@@ -34,3 +54,20 @@ __all__ = [
     "verify",
     "__version__",
 ]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from .engine import Chunk, Engine, GenerateConfig, Generation
+    from .stats import SpecStats
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

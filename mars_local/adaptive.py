@@ -180,13 +180,6 @@ class AdaptiveK:
             tokens.append(total)
         return tokens, [t + c * k for k, t in enumerate(costs)]
 
-    def rates(self, k_max: int, keys: Sequence[Hashable] | None = None) -> list[float]:
-        """Expected tokens per second with k = 0..k_max drafts (zeros when costs are unknown)."""
-        plan = self._plan(k_max, keys)
-        if plan is None:
-            return [0.0] * (k_max + 1)
-        return [n / t for n, t in zip(*plan)]
-
     # -------------------------------------------------------------- choice
     def choose(self, k_limit: int | None = None, keys: Sequence[Hashable] | None = None) -> int:
         """Draft length for the next round.

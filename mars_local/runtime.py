@@ -11,12 +11,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
-from dataclasses import dataclass
+import threading
 from pathlib import Path
 
 import numpy as np
 
 from .errors import MarsError
+from .gguf_file import check_gguf_file
 
 try:  # pragma: no cover - exercised by the import itself
     import llama_cpp as _llama_pkg
@@ -26,15 +27,11 @@ except Exception as exc:  # pragma: no cover
         "mars-local needs llama-cpp-python 0.3.36; run `make install` (it builds the patched sdist)"
     ) from exc
 
-__all__ = [
-    "Model", "Context", "ModelInfo", "check_vocab_compatible", "backend_info", "set_verbose", "batch_invariance",
-    "build_fingerprint",
-]
+__all__ = ["Model", "Context", "check_vocab_compatible", "backend_info", "build_fingerprint", "init_backend"]
 
 LLAMA_CPP_PYTHON_VERSION = getattr(_llama_pkg, "__version__", "unknown")
 
 # ----------------------------------------------------------------- logging
-_verbose = False
 _recent_log: collections.deque[str] = collections.deque(maxlen=40)
 
 
@@ -45,18 +42,26 @@ def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None: 
     except Exception:
         return
     _recent_log.append(msg)
-    if _verbose:
-        os.write(2, text)
 
 
+# llama.cpp's log goes to _recent_log (for error messages), not the terminal,
+# from the moment this module is imported.
 C.llama_log_set(_log_callback, ctypes.c_void_p(0))
-C.llama_backend_init()
+
+_backend_lock = threading.Lock()
+_backend_started = False
 
 
-def set_verbose(verbose: bool) -> None:
-    """Show llama.cpp's own log on stderr (off by default)."""
-    global _verbose
-    _verbose = bool(verbose)
+def init_backend() -> None:
+    """Start llama.cpp's backend (once per process, thread-safe): the first
+    :class:`Model` does it, so importing this module starts nothing."""
+    global _backend_started
+    if _backend_started:
+        return
+    with _backend_lock:
+        if not _backend_started:
+            C.llama_backend_init()
+            _backend_started = True
 
 
 def _last_llama_error() -> str:
@@ -68,11 +73,13 @@ def _last_llama_error() -> str:
 
 
 def gpu_offload_supported() -> bool:
+    init_backend()
     return bool(C.llama_supports_gpu_offload())
 
 
 def backend_info() -> dict:
     """Which backend this llama.cpp build uses."""
+    init_backend()
     info = C.llama_print_system_info().decode("utf-8", errors="replace")
     backend = "cpu"
     for name in ("CUDA", "METAL", "VULKAN", "HIP", "SYCL", "MUSA", "OPENCL"):
@@ -97,6 +104,7 @@ def build_fingerprint() -> str:
     if _build_fp is None:
         import hashlib
 
+        init_backend()
         parts = [LLAMA_CPP_PYTHON_VERSION, C.llama_print_system_info().decode("utf-8", "replace")]
         lib = getattr(getattr(C, "_lib", None), "_name", None)
         try:
@@ -118,154 +126,6 @@ def default_threads() -> int:
 
 
 # ------------------------------------------------------------------- model
-@dataclass(frozen=True)
-class ModelInfo:
-    path: str
-    description: str
-    n_params: int
-    size_bytes: int
-    n_vocab: int
-    n_ctx_train: int
-    vocab_type: int
-    recurrent: bool
-
-
-def _check_gguf_file(path: Path) -> None:
-    if not path.exists():
-        raise MarsError(f"model file not found: {path}")
-    if not path.is_file():
-        raise MarsError(f"model path is not a file: {path}")
-    try:
-        with path.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as exc:
-        raise MarsError(f"cannot read model file {path}: {exc.strerror}") from None
-    if magic != b"GGUF":
-        raise MarsError(f"not a GGUF model file: {path}")
-    _check_gguf_extent(path)
-
-
-# ggml type -> (elements per block, bytes per block), from ggml.c's type traits
-_GGML_BLOCKS = {
-    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
-    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
-    23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
-    34: (256, 54), 35: (256, 66), 39: (32, 17),
-}
-# GGUF metadata value types -> fixed size in bytes (8: string, 9: array)
-_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-class _Short(Exception):
-    pass
-
-
-def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
-    """(bytes the header says the file holds, bytes it has), from the header
-    alone (memory-mapped: only the header's pages are read).  None when the
-    header uses something this parser does not know (then llama.cpp decides).
-    Raises _Short when the file ends inside the header."""
-    import mmap
-    import struct
-
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        if size < 24:
-            raise _Short
-        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        pos = 4
-
-        def take(fmt: str):
-            nonlocal pos
-            n = struct.calcsize(fmt)
-            if pos + n > size:
-                raise _Short
-            v = struct.unpack_from(fmt, buf, pos)
-            pos += n
-            return v[0] if len(v) == 1 else v
-
-        def skip(n: int) -> None:
-            nonlocal pos
-            if n < 0 or pos + n > size:
-                raise _Short
-            pos += n
-
-        def string() -> bytes:
-            n = take("<Q")
-            start = pos
-            skip(n)
-            return bytes(buf[start:pos])
-
-        version = take("<I")
-        if version not in (2, 3):
-            return None
-        n_tensors, n_kv = take("<QQ")
-        if n_tensors > 1 << 20 or n_kv > 1 << 20:
-            return None  # not a header this check can judge cheaply
-        alignment = 32
-        for _ in range(n_kv):
-            key = string()
-            vtype = take("<I")
-            if vtype == 8:
-                val = string()
-            elif vtype == 9:
-                atype, n = take("<IQ")
-                if n > 1 << 26:
-                    return None
-                if atype == 8:
-                    for _ in range(n):
-                        skip(take("<Q"))
-                elif atype in _GGUF_SCALAR:
-                    skip(_GGUF_SCALAR[atype] * n)
-                else:
-                    return None
-                continue
-            elif vtype in _GGUF_SCALAR:
-                val = take("<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR[vtype]])
-            else:
-                return None
-            if key == b"general.alignment" and vtype == 4 and val > 0:
-                alignment = val
-        end = 0
-        for _ in range(n_tensors):
-            skip(take("<Q"))  # name
-            n_dims = take("<I")
-            if n_dims > 8:
-                return None
-            dims = [take("<Q") for _ in range(n_dims)]
-            ttype, offset = take("<IQ")
-            if ttype not in _GGML_BLOCKS:
-                return None
-            block, nbytes = _GGML_BLOCKS[ttype]
-            n_el = 1
-            for d in dims:
-                n_el *= d
-            end = max(end, offset + n_el // block * nbytes)
-        data_start = -(-pos // alignment) * alignment
-        return data_start + end, size
-    finally:
-        buf.close()
-
-
-def _check_gguf_extent(path: Path) -> None:
-    try:
-        extent = _gguf_tensor_extent(path)
-    except _Short:
-        raise MarsError(
-            f"cannot load {path}: the file is truncated or corrupt: it ends inside its GGUF header "
-            f"(the file has {path.stat().st_size:,} bytes)"
-        ) from None
-    except Exception:  # noqa: BLE001 - a header this parser cannot read: llama.cpp gives its own reason
-        return
-    if extent is not None and extent[0] > extent[1]:
-        raise MarsError(
-            f"cannot load {path}: the file is truncated or corrupt: the header declares tensor data up to "
-            f"byte {extent[0]:,}, the file has {extent[1]:,} bytes"
-        )
-
-
 class Model:
     """A loaded GGUF model (weights only; contexts are separate).
 
@@ -280,7 +140,8 @@ class Model:
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, exact_kernels: bool = False):
         p = Path(path).expanduser()
-        _check_gguf_file(p)
+        check_gguf_file(p)
+        init_backend()
         params = C.llama_model_default_params()
         if n_gpu_layers is None:  # all layers where a GPU backend exists, else none
             n_gpu_layers = -1 if gpu_offload_supported() else 0
@@ -306,20 +167,6 @@ class Model:
         self._piece_buf = ctypes.create_string_buffer(256)
 
     # -- metadata
-    def info(self) -> ModelInfo:
-        buf = ctypes.create_string_buffer(256)
-        C.llama_model_desc(self._model, buf, len(buf))
-        return ModelInfo(
-            path=self.path,
-            description=buf.value.decode("utf-8", errors="replace"),
-            n_params=int(C.llama_model_n_params(self._model)),
-            size_bytes=int(C.llama_model_size(self._model)),
-            n_vocab=self.n_vocab,
-            n_ctx_train=self.n_ctx_train,
-            vocab_type=int(C.llama_vocab_type(self.vocab)),
-            recurrent=self.recurrent,
-        )
-
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
         n = C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
@@ -557,7 +404,6 @@ class Context:
         self._pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
         self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(n_batch,))
         self.tokens: list[int] = []  # mirror of the KV cache, positions 0..len-1
-        self.n_evaluated = 0  # tokens run through decode (for reuse accounting)
 
     @property
     def n_past(self) -> int:
@@ -582,7 +428,6 @@ class Context:
                 raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
             raise RuntimeError(f"llama_decode failed with code {rc}")
         self.tokens.extend(int(t) for t in tokens)
-        self.n_evaluated += n
 
     def logits(self, n_rows: int) -> np.ndarray:
         """Zero-copy (n_rows, V) view of the last decode's output rows."""
@@ -653,42 +498,3 @@ class Context:
             self.close()
         except Exception:
             pass
-
-
-def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48, exact_kernels: bool = True,
-                     n_threads: int | None = None, prompt: str = "The history of the printing press begins"
-                     ) -> dict[int, tuple[int, float]]:
-    """Does a position's logits row depend on how many rows its forward had?
-
-    Strict greedy speculative output equals plain greedy output token for token
-    only if it does not: plain decoding computes every position in a 1-row
-    forward, speculation in (k+1)-row verify windows.  Decodes ``n`` tokens
-    plainly, re-evaluates the same tokens in windows of each size, and returns
-    {window: (rows that differ bit for bit, largest absolute difference)}.
-    """
-    m = Model(path, 0, exact_kernels=exact_kernels)
-    toks = m.tokenize(prompt)
-    ctx = Context(m, n_ctx=max(256, len(toks) + n + 64), n_threads=n_threads)
-    try:
-        ctx.sync(toks[:-1])
-        base = ctx.n_past
-        seq, plain = [toks[-1]], []
-        for _ in range(n):  # plain greedy: one row per forward
-            row = ctx.eval([seq[-1]], 1)[0]
-            plain.append(row.copy())
-            seq.append(int(row.argmax()))
-        out = {}
-        for w in windows:
-            ctx.truncate(base)
-            differ, worst = 0, 0.0
-            for s in range(0, n - w + 1, w):
-                rows = ctx.eval(seq[s : s + w], w)
-                for i in range(w):
-                    if not np.array_equal(rows[i], plain[s + i]):
-                        differ += 1
-                        worst = max(worst, float(np.max(np.abs(rows[i] - plain[s + i]))))
-            out[w] = (differ, worst)
-        return out
-    finally:
-        ctx.close()
-        m.close()

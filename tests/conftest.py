@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,14 +13,24 @@ from tinymodels import make_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / ".cache" / "test-models"
+# `make test-pure` sets this: the pure modules' tests, in a venv without llama-cpp-python.
+PURE_RUN = os.environ.get("MARS_PURE_TESTS") == "1"
+
+
+if PURE_RUN:
+
+    @pytest.fixture(autouse=True)
+    def no_llama_cpp_in_a_pure_run():
+        """A test after which llama_cpp is loaded fails (a pure module, a test
+        file or a fixture imported it), even where it is installed."""
+        yield
+        assert "llama_cpp" not in sys.modules, "llama_cpp was imported during a pure-module test run (make test-pure)"
 
 
 @pytest.fixture(scope="session", autouse=True)
 def learned_state_dir(tmp_path_factory):
     """The adaptive controller's learned-state cache goes to a temporary folder,
     never the user's ~/.cache (subprocesses inherit it)."""
-    import os
-
     old = os.environ.get("MARS_STATE_DIR")
     path = tmp_path_factory.mktemp("state")
     os.environ["MARS_STATE_DIR"] = str(path)
@@ -90,7 +102,9 @@ def requantize(src: Path, name: str, ftype: str) -> Path:
     .cache/test-models (git-ignored) so reruns skip the work."""
     import llama_cpp
 
-    import mars_local.runtime  # noqa: F401  (silences llama.cpp's log)
+    from mars_local import runtime  # importing it silences llama.cpp's log
+
+    runtime.init_backend()
 
     MODEL_CACHE.mkdir(parents=True, exist_ok=True)
     out = MODEL_CACHE / name

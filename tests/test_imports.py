@@ -1,0 +1,71 @@
+"""The pure core imports without llama.cpp; the package exports its names lazily."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+# Modules that must not load llama_cpp when imported (numpy and the standard
+# library only; chat_template imports jinja2 when a template is compiled).
+PURE = [
+    "mars_local",
+    "mars_local.errors",
+    "mars_local.sampling",
+    "mars_local.verify",
+    "mars_local.adaptive",
+    "mars_local.stats",
+    "mars_local.drafters",
+    "mars_local.learned",
+    "mars_local.native",
+    "mars_local.gguf_file",
+    "mars_local.chat_template",
+    "mars_local.chat_tokens",
+    "mars_local.hub",
+]
+
+
+def run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_module_does_not_load_llama_cpp(module):
+    r = run(f"import {module}, sys; assert 'llama_cpp' not in sys.modules, sorted(sys.modules)")
+    assert r.returncode == 0, r.stderr
+
+
+def test_public_names_are_listed_and_pure_ones_resolve_without_llama_cpp():
+    r = run(
+        "import sys, mars_local as m\n"
+        "assert set(m.__all__) <= set(dir(m)), set(m.__all__) - set(dir(m))\n"
+        "for name in ('MarsError', 'SamplingParams', 'SpecStats', 'VerifyConfig', 'VerifyResult'):\n"
+        "    assert getattr(m, name).__name__ == name\n"
+        "assert m.verify.__module__ == 'mars_local.verify' and callable(m.verify)\n"
+        "assert 'mars_local.engine' not in sys.modules and 'llama_cpp' not in sys.modules\n"
+        "try:\n"
+        "    m.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    assert 'no_such_name' in str(exc)\n"
+        "else:\n"
+        "    raise AssertionError('no AttributeError')\n"
+    )
+    assert r.returncode == 0, r.stderr
+
+
+def test_engine_names_load_on_first_use_and_the_backend_on_the_first_model(tiny_target):
+    if importlib.util.find_spec("llama_cpp") is None:  # the pure venv of `make test-pure`
+        pytest.skip("needs llama-cpp-python")
+    r = run(
+        "import sys, mars_local as m\n"
+        "from mars_local import *\n"  # every name in __all__ resolves
+        "assert Engine is m.Engine and Engine.__module__ == 'mars_local.engine'\n"
+        "assert verify is m.verify and callable(verify)\n"  # the function, not the submodule
+        "from mars_local import runtime\n"
+        "assert not runtime._backend_started\n"
+        f"runtime.Model({str(tiny_target)!r}, 0).close()\n"
+        "assert runtime._backend_started\n"
+    )
+    assert r.returncode == 0, r.stderr
