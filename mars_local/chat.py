@@ -19,7 +19,6 @@ from typing import Any, Optional, Union
 
 from .choices import VERIFY_METHODS
 from .errors import MarsError
-from .protocol import stream_stats
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -164,7 +163,7 @@ class ChatSession:
                 interrupted = True
         finally:  # also when the consumer stops early (GeneratorExit)
             stream.close()
-            self.last_stats = stream_stats(self.engine, stream)
+            self.last_stats = stream.stats
             self.messages.append({"role": "assistant", "content": "".join(parts)})
         if interrupted:
             yield Interrupted()

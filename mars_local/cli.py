@@ -19,7 +19,6 @@ except ImportError:  # pragma: no cover - older typer on top of click
 from . import cli_batch, cli_bench, cli_chat, cli_models
 from . import cli_common as opt
 from .errors import MarsError
-from .protocol import stream_stats
 
 
 def _one_line(msg: str) -> str:
@@ -179,13 +178,13 @@ def run(
             if not as_json:
                 sys.stdout.write("\n")  # the cursor back at the start of a line
                 sys.stdout.flush()
-            s = stream_stats(eng, stream)
+            s = stream.stats
             if s is not None and not s.stop_reason:
                 s.stop_reason = "interrupted"
             if stats and s is not None:
                 echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
             raise typer.Exit(130) from None
-        s = stream_stats(eng, stream)
+        s = stream.stats
         if as_json:
             echo(json.dumps({"text": "".join(text_parts), "tokens": tokens, "stats": s.to_dict()}, ensure_ascii=False))
         else:

@@ -36,6 +36,7 @@ MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
 ARGV: list[str] = []  # the command line as MarsGroup received it, to name a flag as the user typed it
 
 # Option objects are plain metadata, so each command reuses them as defaults.
+_D = GenerateConfig()  # the defaults of the generation settings
 MODEL = typer.Option(None, "-m", "--model", help="Target GGUF: path, hf:REPO/FILE or registry name.")
 MODEL_DRAFT = typer.Option(
     None, "-md", "--model-draft", "--spec-draft-model", "--draft-model", help="Draft GGUF of the same tokenizer."
@@ -44,30 +45,30 @@ DRAFTER = typer.Option(
     None, "--drafter", help=f"{', '.join(DRAFTERS[:-1])} or {DRAFTERS[-1]} (default: the pair's, or model with -md)."
 )
 NO_DRAFT = typer.Option(False, "--no-draft", help="Plain decoding (no speculation).")
-VERIFY = typer.Option("mars", "--verify", help="Verification rule: strict (lossless) or mars.")
+VERIFY = typer.Option(_D.verify, "--verify", help="Verification rule: strict (lossless) or mars.")
 THETA = typer.Option(
-    None, "--theta", help=f"MARS margin threshold in (0, 1] (default: the pair's, or {GenerateConfig.theta})."
+    None, "--theta", help=f"MARS margin threshold in (0, 1] (default: the pair's, or {_D.theta})."
 )
 MAX_RELAXED = typer.Option(None, "--max-relaxed", help="Cap on MARS-relaxed accepts per window (default: none).")
 DRAFT_MAX = typer.Option(
     None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
-    help=f"Maximum draft length k (default: the pair's, or {GenerateConfig.draft_max}).",
+    help=f"Maximum draft length k (default: the pair's, or {_D.draft_max}).",
 )
-DRAFT_MIN = typer.Option(0, "--draft-min", "--spec-draft-n-min", "--draft-n-min", help="Drop shorter drafts.")
+DRAFT_MIN = typer.Option(_D.draft_min, "--draft-min", "--spec-draft-n-min", "--draft-n-min", help="Drop shorter drafts.")
 DRAFT_P_MIN = typer.Option(
-    0.0, "--draft-p-min", "--spec-draft-p-min", help="Stop drafting below this draft top-token probability."
+    _D.draft_p_min, "--draft-p-min", "--spec-draft-p-min", help="Stop drafting below this draft top-token probability."
 )
-DRAFT_SAMPLING = typer.Option("greedy", "--draft-sampling", help="greedy or sample (draft model only).")
+DRAFT_SAMPLING = typer.Option(_D.draft_sampling, "--draft-sampling", help="greedy or sample (draft model only).")
 ADAPTIVE = typer.Option(
-    True, "--adaptive/--no-adaptive",
+    _D.adaptive, "--adaptive/--no-adaptive",
     help="Choose the draft length per round from measured costs and acceptance (k = 0 included); "
     "--no-adaptive drafts --draft-max tokens every round.",
 )
-N_PREDICT = typer.Option(256, "-n", "--n-predict", "--predict", help="Maximum tokens to generate.")
-TEMP = typer.Option(0.0, "--temp", "--temperature", help="Temperature; 0 = greedy.")
-TOP_K = typer.Option(40, "--top-k", help="Top-k truncation (0 = off).")
-TOP_P = typer.Option(0.95, "--top-p", help="Top-p truncation (1 = off).")
-MIN_P = typer.Option(0.05, "--min-p", help="Min-p truncation (0 = off).")
+N_PREDICT = typer.Option(_D.max_tokens, "-n", "--n-predict", "--predict", help="Maximum tokens to generate.")
+TEMP = typer.Option(_D.sampling.temperature, "--temp", "--temperature", help="Temperature; 0 = greedy.")
+TOP_K = typer.Option(_D.sampling.top_k, "--top-k", help="Top-k truncation (0 = off).")
+TOP_P = typer.Option(_D.sampling.top_p, "--top-p", help="Top-p truncation (1 = off).")
+MIN_P = typer.Option(_D.sampling.min_p, "--min-p", help="Min-p truncation (0 = off).")
 SEED = typer.Option(-1, "-s", "--seed", help="Random seed; -1 = random.")
 CTX_SIZE = typer.Option(
     4096, "-c", "--ctx-size",
@@ -260,30 +261,31 @@ def format_stats(s, choice: ModelChoice, context: Optional[str] = None) -> str:
 
 @dataclass
 class GenOptions:
-    """The model and generation flags shared by run, chat and batch."""
+    """The model and generation flags shared by run, chat and batch (defaults: the
+    options above, built from GenerateConfig's)."""
 
-    model: Optional[str] = None
-    model_draft: Optional[str] = None
-    drafter: Optional[str] = None
-    no_draft: bool = False
-    verify: str = "mars"
-    theta: Optional[float] = None
-    max_relaxed: Optional[int] = None
-    draft_max: Optional[int] = None
-    draft_min: int = 0
-    draft_p_min: float = 0.0
-    draft_sampling: str = "greedy"
-    adaptive: bool = True
-    temp: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int = -1
-    ctx_size: int = 4096
-    ngl: Optional[str] = None
-    ngld: Optional[str] = None
-    threads: Optional[int] = None
-    fast_kernels: bool = False
+    model: Optional[str]
+    model_draft: Optional[str]
+    drafter: Optional[str]
+    no_draft: bool
+    verify: str
+    theta: Optional[float]
+    max_relaxed: Optional[int]
+    draft_max: Optional[int]
+    draft_min: int
+    draft_p_min: float
+    draft_sampling: str
+    adaptive: bool
+    temp: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    ctx_size: int
+    ngl: Optional[str]
+    ngld: Optional[str]
+    threads: Optional[int]
+    fast_kernels: bool
 
     explicit = frozenset()  # the options given on the command line (set by generation_options)
 

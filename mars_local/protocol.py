@@ -11,6 +11,20 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 
+class StreamLike(Protocol):
+    """What ``stream()`` returns: an iterator of chunks (``.tokens``, ``.text``,
+    ``.kinds``) with ``close()`` and ``stats`` (a SpecStats, final once the
+    stream is exhausted or closed)."""
+
+    stats: Any
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __next__(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 @runtime_checkable
 class EngineLike(Protocol):
     """The Engine surface the CLI, :mod:`mars_local.chat` and :mod:`mars_local.batch` use."""
@@ -31,18 +45,10 @@ class EngineLike(Protocol):
 
     def piece(self, token: int) -> bytes: ...
 
-    def stream(self, prompt: str | Sequence[int], config: Any = None) -> Iterator[Any]:
-        """Chunks (``.tokens``, ``.text``, ``.kinds``); the iterator has ``close()``."""
-        ...
+    def stream(self, prompt: str | Sequence[int], config: Any = None) -> StreamLike: ...
 
     def generate(self, prompt: str | Sequence[int], config: Any = None) -> Any:
         """A Generation (``.text``, ``.tokens``, ``.kinds``, ``.stats``, ``.to_dict()``)."""
         ...
 
     def close(self) -> None: ...
-
-
-def stream_stats(engine, stream):
-    """The statistics of a stream (final once it is exhausted or closed)."""
-    stats = getattr(stream, "stats", None)
-    return stats if stats is not None else getattr(engine, "last_stats", None)

@@ -59,7 +59,6 @@ class FakeEngine:
     fail_on: str | None = None  # a prompt containing this text is refused with a MarsError
     calls: list = field(default_factory=list)  # (prompt, config) of every stream
     closed: bool = False
-    last_stats: SpecStats | None = None
 
     # ---------------------------------------------------------- context sizes
     @property
@@ -97,7 +96,6 @@ class FakeEngine:
             raise MarsError(f"the prompt is {len(toks)} tokens but the context holds {self.n_ctx}")
         self.calls.append((text, config))
         stats = SpecStats(n_prompt=len(toks), n_prompt_evaluated=len(toks), adaptive=config.adaptive)
-        self.last_stats = stats
         answer = list(self.reply.replace("{prompt}", text).encode("utf-8"))
         return FakeStream(self._chunks(toks, answer, config, stats), stats)
 

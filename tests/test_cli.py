@@ -9,7 +9,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from mars_local import GenerateConfig, MarsError
 from mars_local.cli import app
+from mars_local.registry import bench_drafters, choose_models
 from mars_local.stats import SpecStats
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
@@ -87,6 +89,57 @@ def test_a_registry_pair_brings_its_drafter_theta_and_k(fake_engine):
     assert [o["drafter"] for o in fake_engine.opened] == [pair.drafter, pair.drafter, "none"]
     (_, a), (_, b), _ = fake_engine.calls
     assert (a.theta, a.draft_max) == (pair.theta, pair.draft_max) and (b.theta, b.draft_max) == (0.5, 3)
+
+
+def test_the_fake_and_the_real_engine_offer_what_the_cli_uses(tiny_target):
+    from mars_local import Engine
+    from mars_local.protocol import EngineLike
+
+    from fake_engine import FakeEngine
+
+    assert isinstance(FakeEngine(), EngineLike)
+    with Engine(tiny_target, n_ctx=256) as eng:
+        assert isinstance(eng, EngineLike)
+        with eng.stream("hello", GenerateConfig.make(max_tokens=2)) as stream:
+            list(stream)
+        assert stream.stats.n_generated == 2
+
+
+# ------------------------------------------ model resolution (run and bench, one function)
+def test_choose_models_for_a_file(tmp_path):
+    t, d = str(tmp_path / "t.gguf"), str(tmp_path / "d.gguf")
+    c = choose_models(t)
+    assert (str(c.target), c.draft, c.drafter, c.label, c.pair, c.overrides) == (t, None, "none", t, None, {})
+    c = choose_models(t, d)
+    assert (str(c.draft), c.drafter) == (d, "model")
+    assert choose_models(t, drafter="ngram").drafter == "ngram" and choose_models(t, no_draft=True).drafter == "none"
+    for kw, needle in ((dict(model_draft=d, no_draft=True), "--no-draft contradicts"),
+                       (dict(drafter="ngram", no_draft=True), "--no-draft contradicts"),
+                       (dict(model_draft=d, drafter="ngram"), "contradicts --drafter ngram"),
+                       (dict(drafter="model"), "needs a draft model"),
+                       (dict(drafter="magic"), "drafter must be one of model, ngram, none")):
+        with pytest.raises(MarsError, match=needle):
+            choose_models(t, **kw)
+
+
+def test_choose_models_for_a_pair_and_the_bench_drafters(tmp_path):
+    from mars_local.registry import load_registry
+
+    pair = load_registry().get("smollm2-135m")  # the default pair: n-gram drafter, no draft model
+    for c in (choose_models(), choose_models("smollm2-135m"), choose_models(pair="smollm2-135m")):
+        assert (c.label, c.pair, c.drafter, c.draft) == ("smollm2-135m", pair, pair.drafter, None)
+        assert c.overrides == {"theta": pair.theta, "draft_max": pair.draft_max}
+        assert bench_drafters(c, None) == ("ngram",)
+    d = tmp_path / "d.gguf"
+    with_draft = choose_models(model_draft=str(d))
+    assert (with_draft.drafter, with_draft.draft) == ("model", d)
+    assert bench_drafters(with_draft, None) == ("ngram", "model")  # the pair's drafter and -md's
+    assert bench_drafters(choose_models(str(d)), None) == ("ngram",)  # a file: n-gram (plain always runs)
+    assert bench_drafters(with_draft, "model") == ("model",)
+    with pytest.raises(MarsError, match="exclusive"):
+        choose_models("smollm2-135m", pair="smollm2-135m")
+    with pytest.raises(MarsError, match="unknown model"):
+        choose_models(pair="no-such-pair")
 
 
 # ------------------------------------------------------- end to end (tiny models)
