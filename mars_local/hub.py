@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import MarsError
-from .registry import ModelFile, Pair
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only (registry needs pyyaml)
+    from .registry import ModelFile, Pair
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
-__all__ = ["split_parts", "download_file", "pull_pair"]
+__all__ = ["split_parts", "download_file", "pull_pair", "describe"]
 
 
 def split_parts(filename: str) -> list[str]:
