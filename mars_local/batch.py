@@ -58,13 +58,11 @@ from typing import Optional
 from .chat import check_messages, short_json as _show
 from .choices import VERIFY_METHODS
 from .errors import MarsError
+from .sampling import SamplingParams
 
 EXIT_SKIPPED = 3  # some records were skipped; every other one was generated
 
-LINE_SETTINGS = {
-    "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "verify", "theta", "draft_max", "max_relaxed",
-}
-SAMPLING_KEYS = {"temperature", "top_k", "top_p", "min_p", "seed"}
+SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__)  # the settings GenerateConfig nests
 RECORD_PREFIX = b'{"id": '  # how every line mars-local writes begins (json.dumps of a dict keyed "id" first)
 
 
@@ -95,45 +93,55 @@ def id_key(v) -> str:
     return json.dumps(v)
 
 
+def _is_str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _is_int_or_null(v) -> bool:
+    return v is None or _is_int(v)
+
+
+# Each per-line setting: its JSON type and its allowed values in words.  The
+# ranges themselves are GenerateConfig's (with SamplingParams and VerifyConfig).
+SETTINGS = {
+    "max_tokens": (_is_int, "a whole number from 1{top}"),
+    "seed": (_is_int, "a whole number (negative = random)"),
+    "temperature": (_is_num, "a finite number >= 0"),
+    "top_k": (_is_int, "a whole number >= 0 (0 = off)"),
+    "top_p": (_is_num, "a number in (0, 1] (1 = off)"),
+    "min_p": (_is_num, "a number in [0, 1) (0 = off)"),
+    "theta": (_is_num, "a number in (0, 1]"),
+    "draft_max": (_is_int, "a whole number from 0 to {max_draft}"),
+    "max_relaxed": (_is_int_or_null, "a whole number >= 0 or null (no cap)"),
+    "verify": (_is_str, "{methods}"),
+}
+LINE_SETTINGS = frozenset(SETTINGS)
+
+
+def _in_range(name: str, v, ctx_size: Optional[int]) -> bool:
+    from .generation import GenerateConfig
+
+    if name == "seed":  # any integer is a seed; numpy takes these
+        return -(2**63) <= v < 2**64
+    if name == "max_tokens" and ctx_size and v > ctx_size:
+        return False
+    try:
+        GenerateConfig.make(**{name: v})
+    except MarsError:
+        return False
+    return True
+
+
 def check_settings(settings: dict, ctx_size: Optional[int] = None) -> None:
     """Each per-line setting's type and range; MarsError naming the field."""
     from .generation import MAX_DRAFT
 
-    def bad(name, what):
-        raise MarsError(f"'{name}' must be {what}, got {_show(settings[name])}")
-
     for name, v in sorted(settings.items()):
-        if name == "max_tokens":
-            top = f" to {ctx_size} (the context size, -c)" if ctx_size else " or more"
-            if not _is_int(v) or v < 1 or (ctx_size and v > ctx_size):
-                bad(name, f"a whole number from 1{top}")
-        elif name == "seed":
-            if not _is_int(v) or not -(2**63) <= v < 2**64:
-                bad(name, "a whole number (negative = random)")
-        elif name == "temperature":
-            if not _is_num(v) or v < 0:
-                bad(name, "a finite number >= 0")
-        elif name == "top_k":
-            if not _is_int(v) or v < 0:
-                bad(name, "a whole number >= 0 (0 = off)")
-        elif name == "top_p":
-            if not _is_num(v) or not 0 < v <= 1:
-                bad(name, "a number in (0, 1] (1 = off)")
-        elif name == "min_p":
-            if not _is_num(v) or not 0 <= v < 1:
-                bad(name, "a number in [0, 1) (0 = off)")
-        elif name == "theta":
-            if not _is_num(v) or not 0 < v <= 1:
-                bad(name, "a number in (0, 1]")
-        elif name == "draft_max":
-            if not _is_int(v) or not 0 <= v <= MAX_DRAFT:
-                bad(name, f"a whole number from 0 to {MAX_DRAFT}")
-        elif name == "max_relaxed":
-            if v is not None and (not _is_int(v) or v < 0):
-                bad(name, "a whole number >= 0 or null (no cap)")
-        elif name == "verify":
-            if v not in VERIFY_METHODS:
-                bad(name, " or ".join(VERIFY_METHODS))
+        is_type, what = SETTINGS[name]
+        if not (is_type(v) and _in_range(name, v, ctx_size)):
+            what = what.format(top=f" to {ctx_size} (the context size, -c)" if ctx_size else " or more",
+                               max_draft=MAX_DRAFT, methods=" or ".join(VERIFY_METHODS))
+            raise MarsError(f"'{name}' must be {what}, got {_show(v)}")
 
 
 def _check_record(obj: dict, ctx_size: Optional[int]) -> Record:
