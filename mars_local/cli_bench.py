@@ -16,6 +16,7 @@ import typer
 from . import cli_common as opt
 from .choices import DRAFTERS
 from .errors import MarsError
+from .generation import GenerateConfig
 from .registry import bench_drafters, choose_models
 
 BENCH_DRAFTERS = tuple(sorted(set(DRAFTERS) - {"none"}, reverse=True))  # ngram, model (plain always runs)
@@ -33,8 +34,10 @@ def parse_thetas(value: str) -> tuple[float, ...]:
             t = float(part)
         except ValueError:
             raise MarsError(f"--thetas: {part!r} is not a number") from None
-        if not (0.0 < t <= 1.0):
-            raise MarsError(f"theta must be in (0, 1], got {part}")
+        try:
+            GenerateConfig.make(theta=t)  # the range of θ
+        except MarsError as exc:
+            raise MarsError(f"--thetas: {exc}") from None
         out.append(t)
     if not out:
         raise MarsError("--thetas needs at least one θ, e.g. 0.85,0.9,0.95")
