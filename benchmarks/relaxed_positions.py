@@ -15,7 +15,7 @@ import sys
 import numpy as np
 
 from mars_local.bench import load_prompts
-from mars_local.bench.runner import _prompt_tokens
+from mars_local.bench.runner import prompt_tokens
 from mars_local.engine import Engine, GenerateConfig
 from mars_local.errors import MarsError
 from mars_local.registry import load_registry
@@ -37,13 +37,12 @@ def main(argv=None) -> int:
     cfg = GenerateConfig(max_tokens=args.n, verify="mars", theta=args.theta, draft_max=args.draft_max, adaptive=False)
     rows, undecided, total = [], 0, 0
     for p in load_prompts():
-        toks = _prompt_tokens(eng, p)
+        toks = prompt_tokens(eng, p)
         g = eng.generate(toks, cfg)
         if not g.tokens:
             continue
-        eng.ctx.truncate(0)
-        z = np.asarray(eng.ctx.eval(toks + g.tokens[:-1], n_out=len(g.tokens)), dtype=np.float64)
-        eng.ctx.truncate(0)
+        eng.reset()  # the rows of one teacher-forced forward from scratch
+        z = np.asarray(eng.logits(toks + g.tokens[:-1], n_rows=len(g.tokens)), dtype=np.float64)
         top2 = np.sort(z, axis=1)[:, -2:]
         total += len(g.tokens)
         undecided += int(np.sum((top2[:, 1] > 0) & (top2[:, 0] / top2[:, 1] > args.theta)))

@@ -13,19 +13,36 @@ Every drafter has the same two-method shape (as transformers'
 
 ``begin(tokens)`` prepares a new generation (a draft model evaluates the
 prompt here, reusing whatever prefix its cache already holds).
+
+A drafter declares what the loop may rely on (class attributes):
+
+``cheap``
+    proposing costs next to nothing beside a target forward (an n-gram
+    lookup): the loop proposes the longest draft first and lets the adaptive
+    controller cut it, knowing its keys.  A costly drafter (a draft model) is
+    asked instead to stop as soon as drafting more would not pay
+    (``propose(..., extend=...)``).
+``gives_keys``
+    each draft position carries an acceptance key (``Draft.keys``) that the
+    adaptive controller learns acceptance rates by.
+
+A drafter never owns the llama.cpp context it drafts in; the Engine does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from .adaptive import confidence_key
+from .choices import DRAFT_SAMPLINGS, DraftSampling
 from .errors import MarsError
 from .sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
 
-__all__ = ["Draft", "Drafter", "NoDrafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT"]
+__all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT", "Extend"]
 
 
 @dataclass
@@ -40,27 +57,26 @@ class Draft:
 
 EMPTY_DRAFT = Draft([])
 
+Extend = Callable[[Sequence[int | str]], bool]  # keys drafted so far -> draft one more?
+
 
 class Drafter:
     """Base class: proposes nothing (plain decoding through the same loop)."""
 
-    name = "none"
+    cheap: ClassVar[bool] = True
+    gives_keys: ClassVar[bool] = False
 
     def begin(self, tokens: list[int]) -> int:
         """Prepare for a generation; returns the number of tokens evaluated."""
         return 0
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def propose(self, tokens: list[int], k: int, extend: Extend | None = None) -> Draft:
+        """At most ``k`` draft tokens after ``tokens``; a costly drafter stops
+        early once ``extend(keys so far)`` is false (a cheap one ignores it)."""
         return EMPTY_DRAFT
 
     def observe(self, tokens: list[int], n_accepted: int) -> None:
         return None
-
-    def close(self) -> None:
-        return None
-
-
-NoDrafter = Drafter
 
 
 class NgramDrafter(Drafter):
@@ -73,7 +89,8 @@ class NgramDrafter(Drafter):
     continues the match), capped at max_ngram + 2.
     """
 
-    name = "ngram"
+    cheap = True
+    gives_keys = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not (1 <= min_ngram <= max_ngram):
@@ -103,7 +120,7 @@ class NgramDrafter(Drafter):
         self._upto = max(upto, len(tokens))
         self._last = tokens[self._upto - 1]
 
-    def propose(self, tokens: list[int], k: int) -> Draft:
+    def propose(self, tokens: list[int], k: int, extend: Extend | None = None) -> Draft:
         if k <= 0 or len(tokens) < 2:
             return EMPTY_DRAFT
         self._update(tokens)
@@ -118,7 +135,8 @@ class NgramDrafter(Drafter):
 
 
 class ModelDrafter(Drafter):
-    """A small GGUF model of the same tokenizer, run in its own context.
+    """A small GGUF model of the same tokenizer, drafting in a context of its
+    own (which the Engine creates and frees; this drafter rolls it back).
 
     sampling="greedy" drafts the argmax (q is a point mass, the cheapest and
     usually the best-accepted choice); sampling="sample" draws from the draft's
@@ -127,19 +145,20 @@ class ModelDrafter(Drafter):
     below it; drafts shorter than n_min are dropped.
     """
 
-    name = "model"
+    cheap = False
+    gives_keys = True  # confidence keys, when proposing with ``extend``
 
     def __init__(
         self,
         context,
-        sampling: str = "greedy",
+        sampling: DraftSampling = "greedy",
         params: SamplingParams | None = None,
         seed: int = 0,
         p_min: float = 0.0,
         n_min: int = 0,
     ):
-        if sampling not in ("greedy", "sample"):
-            raise MarsError(f"draft sampling must be greedy or sample, got {sampling!r}")
+        if sampling not in DRAFT_SAMPLINGS:
+            raise MarsError(f"draft sampling must be {' or '.join(DRAFT_SAMPLINGS)}, got {sampling!r}")
         self.ctx = context
         self.sampling = sampling
         self.params = params or SamplingParams()
@@ -152,7 +171,7 @@ class ModelDrafter(Drafter):
         self._base = 0
         return self.ctx.sync(tokens[:-1])
 
-    def propose(self, tokens: list[int], k: int, extend=None) -> Draft:
+    def propose(self, tokens: list[int], k: int, extend: Extend | None = None) -> Draft:
         """Up to ``k`` draft tokens.  With ``extend`` (the adaptive controller's
         :meth:`~mars_local.adaptive.AdaptiveK.extend`), each token gets a
         confidence key and drafting stops as soon as ``extend(keys)`` is false."""
@@ -197,6 +216,3 @@ class ModelDrafter(Drafter):
         while keep < n and have[keep] == tokens[keep]:
             keep += 1
         ctx.truncate(keep)
-
-    def close(self) -> None:
-        self.ctx.close()

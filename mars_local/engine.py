@@ -1,109 +1,63 @@
 """The speculative decoding loop: draft, verify in one batched target decode, roll back.
 
-Invariant at the top of every round: the target's KV cache holds every
-committed token except the last one (``last``), which is the first row of the
-next verify window ``[last, d_0 .. d_{k-1}]``.  The window asks for k+1 output
-rows; the verification rule accepts a prefix of m drafts and adds one target
-token; the target cache is cut back to ``base + 1 + m`` and the drafter rolls
-its own cache back to the longest prefix it shares with the committed tokens.
+One round (``Engine._loop``), with ``tokens`` every committed token and
+``last = tokens[-1]``:
+
+1. choose a draft ``d_0 .. d_{k-1}`` (the drafter proposes, the adaptive
+   controller picks k);
+2. target forward of the window ``[last, d_0 .. d_{k-1}]``: k+1 output rows;
+3. verify: the rule accepts a prefix of m drafts and adds one target token;
+4. commit: the target cache is cut back to the accepted prefix, the drafter
+   rolls its own cache back;
+5. emit the new tokens as a :class:`Chunk` (cut at an end-of-generation token).
+
+The KV caches at each point are stated where the loop reaches it.
 """
 
 from __future__ import annotations
 
-import codecs
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from . import native
 from .adaptive import AdaptiveK
+from .choices import DRAFTERS, DrafterKind
+from .controllers import Controllers, calibrate, learned_keys
 from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter
 from .errors import MarsError
-from .learned import LearnedStore, default_store, file_fingerprint
+from .generation import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, _Run
+from .learned import LearnedStore, default_store
 from .runtime import Context, Model, build_fingerprint, check_vocab_compatible
-from .sampling import SamplingParams, position_uniforms
+from .sampling import position_uniforms
 from .stats import SpecStats
-from .verify import VerifyConfig, verify
+from .verify import VerifyConfig, VerifyResult, verify
 
-__all__ = ["Engine", "GenerateConfig", "Generation", "Chunk"]
-
-DRAFTERS = ("model", "ngram", "none")
-MAX_DRAFT = 63  # patches/0003: batches of up to 64 rows use the kernels of a 1-row decode
+__all__ = ["Engine", "GenerateConfig", "Generation", "Chunk", "Stream"]
 
 
-@dataclass(frozen=True)
-class GenerateConfig:
-    """Everything that shapes one generation (validated on construction)."""
-
-    max_tokens: int = 256
-    verify: str = "mars"
-    theta: float = 0.9
-    draft_max: int = 8
-    draft_min: int = 0
-    draft_p_min: float = 0.0
-    draft_sampling: str = "greedy"
-    adaptive: bool = True
-    max_relaxed: int | None = None
-    require_positive_top1: bool = True
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise MarsError(f"the number of tokens to generate must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.draft_max <= MAX_DRAFT:
-            raise MarsError(
-                f"draft-max must be in 0..{MAX_DRAFT} (verify windows of up to {MAX_DRAFT + 1} rows are "
-                f"computed exactly like single tokens), got {self.draft_max}"
-            )
-        if self.draft_min < 0 or self.draft_min > max(self.draft_max, 0):
-            raise MarsError(f"draft-min must be in [0, draft-max={self.draft_max}], got {self.draft_min}")
-        if not (0.0 <= self.draft_p_min <= 1.0):
-            raise MarsError(f"draft-p-min must be in [0, 1], got {self.draft_p_min}")
-        if self.draft_sampling not in ("greedy", "sample"):
-            raise MarsError(f"draft sampling must be greedy or sample, got {self.draft_sampling!r}")
-        VerifyConfig(self.verify, self.theta, self.require_positive_top1, self.max_relaxed)  # validates
-
-    @classmethod
-    def make(cls, **kw) -> "GenerateConfig":
-        """Build from flat keyword arguments (sampling fields included)."""
-        s_fields = {f for f in SamplingParams.__dataclass_fields__}
-        s_kw = {k: kw.pop(k) for k in list(kw) if k in s_fields}
-        unknown = set(kw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-        base = kw.pop("sampling", None) or SamplingParams()
-        return cls(sampling=replace(base, **s_kw), **kw)
-
-
-@dataclass
-class Chunk:
-    """Tokens committed by one round, with how each was produced.
-
-    kinds: "draft" (accepted draft token), "relaxed" (accepted only because of
-    MARS) or "target" (the target's correction or bonus token).
-    """
-
-    tokens: list[int]
-    text: str
-    kinds: list[str]
-
-
-@dataclass
-class Generation:
-    text: str
-    tokens: list[int]
-    kinds: list[str]
-    stats: SpecStats
-
-    def to_dict(self) -> dict:
-        return {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}
+def _drafter_kind(drafter: DrafterKind | None, draft: str | Path | None) -> DrafterKind:
+    """The drafter asked for (default: the draft model when there is one), checked against ``draft``."""
+    if drafter is None:
+        drafter = "model" if draft else "none"
+    if drafter not in DRAFTERS:
+        raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    if drafter == "model" and not draft:
+        raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)")
+    if drafter != "model" and draft:
+        raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
+    return drafter
 
 
 class Engine:
     """A loaded target (and optional draft) model, ready to generate many times.
+
+    The Engine owns every llama.cpp context it uses (target and draft); what
+    callers need from them is a method here (:meth:`logits`, :meth:`score_nll`,
+    :meth:`piece`, :attr:`has_chat_template`, ...).
 
     >>> eng = Engine("target.gguf", draft="draft.gguf")          # doctest: +SKIP
     >>> out = eng.generate("Hello", max_tokens=32, verify="mars")  # doctest: +SKIP
@@ -115,7 +69,7 @@ class Engine:
         target: str | Path,
         draft: str | Path | None = None,
         *,
-        drafter: str | None = None,
+        drafter: DrafterKind | None = None,
         n_ctx: int = 4096,
         n_batch: int = 512,
         n_gpu_layers: int | None = None,
@@ -128,15 +82,7 @@ class Engine:
         exact_kernels: bool = True,
         learned: bool | LearnedStore = True,
     ):
-        if drafter is None:
-            drafter = "model" if draft else "none"
-        if drafter not in DRAFTERS:
-            raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-        if drafter == "model" and not draft:
-            raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)")
-        if drafter != "model" and draft:
-            raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
-        self.drafter_kind = drafter
+        self.drafter_kind = drafter = _drafter_kind(drafter, draft)
         self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self.ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
@@ -155,25 +101,20 @@ class Engine:
             self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, **ctx_opts)
         self._chat_formatter = None
         self._busy: object | None = None  # the running stream's token (one generation at a time)
-        self.last_stats: SpecStats | None = None
-        self._adaptive: dict[tuple, AdaptiveK] = {}  # one per acceptance regime
+        self._last_stats: SpecStats | None = None
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
-        # What the adaptive controller learns is kept between processes
+        # What the adaptive controllers learn is kept between processes
         # (mars_local.learned), keyed by what it depends on.
-        self._store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
-        build = build_fingerprint()
-        device = f"t{self.ctx.n_threads}|{kv_type}|fa{flash_attn}"
-        self._learned_keys = {
-            "costs": f"costs|{file_fingerprint(target)}|{build}|{device}|ngl{n_gpu_layers}",
-            # the draft's speed depends on the target too (they share caches and memory bandwidth)
-            "draft": f"draft|{file_fingerprint(draft)}|{file_fingerprint(target)}|{build}|{device}"
-                     f"|ngl{n_gpu_layers_draft}" if draft else None,
-            "drafter": file_fingerprint(draft) if draft else f"{drafter}{ngram_max}-{ngram_min}",
-            "target": file_fingerprint(target),
-        }
+        store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
+        keys = learned_keys(
+            target, draft, drafter, (ngram_max, ngram_min), build=build_fingerprint(),
+            device=f"t{self.ctx.n_threads}|{kv_type}|fa{flash_attn}",
+            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
+        )
+        self._controllers = Controllers(store, keys, gpu=self.target.offloaded)
 
-    # ------------------------------------------------------------ helpers
+    # ------------------------------------------------------------ the models
     @property
     def n_ctx(self) -> int:
         """The context size in use (llama.cpp rounds a requested size up to a multiple of 256)."""
@@ -189,11 +130,25 @@ class Engine:
         """The target's training context; a larger n_ctx works but may degrade output."""
         return self.target.n_ctx_train
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.target.tokenize(text, add_special=add_special)
+    @property
+    def eog_ids(self) -> tuple[int, ...]:
+        """The target's end-of-generation token ids."""
+        return self.target.eog_ids
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.target.detokenize(tokens)
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the target GGUF carries a chat template (:meth:`chat_prompt` needs one)."""
+        return bool(self.target.chat_template())
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return self.target.detokenize(tokens, special=special)
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The UTF-8 bytes of one token (a piece of a character, possibly)."""
+        return self.target.piece(token, special=special)
 
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of ``messages`` rendered with the target's own chat template.
@@ -227,23 +182,15 @@ class Engine:
             )
         return self._chat_formatter
 
-    def _make_drafter(self, cfg: GenerateConfig, seed: int) -> Drafter:
-        if self.drafter_kind == "model":
-            return ModelDrafter(
-                self.draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min
-            )
-        if self.drafter_kind == "ngram":
-            return NgramDrafter(self.ngram_max, self.ngram_min)
-        return Drafter()
+    def _token_ids(self, tokens: Sequence[int]) -> list[int]:
+        toks = [int(t) for t in tokens]
+        bad = [t for t in toks if not 0 <= t < self.target.n_vocab]
+        if bad:
+            raise MarsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        return toks
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            toks = self.tokenize(prompt)
-        else:
-            toks = [int(t) for t in prompt]
-            bad = [t for t in toks if not 0 <= t < self.target.n_vocab]
-            if bad:
-                raise MarsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        toks = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
         if not toks:
             raise MarsError("the prompt is empty")
         if len(toks) >= self.n_ctx:
@@ -254,22 +201,64 @@ class Engine:
             )
         return toks
 
+    # ------------------------------------------------------ teacher forcing
+    def _forward(self, tokens: Sequence[int], n_rows: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Evaluate ``tokens`` in the target; yield (i, rows) for the last
+        ``n_rows`` positions, a batch at a time (views, valid until the next
+        one).  The cache holds ``tokens[:-n_rows]`` afterwards (a prefix the
+        next call or generation reuses)."""
+        self._check_idle()
+        toks = self._token_ids(tokens)
+        if not 1 <= n_rows <= len(toks):
+            raise ValueError(f"n_rows must be in 1..{len(toks)}, got {n_rows}")
+        ctx, keep = self.ctx, len(toks) - n_rows
+        ctx.sync(toks[:keep])
+        try:
+            for i in range(0, n_rows, ctx.n_batch):
+                chunk = toks[keep + i : keep + i + ctx.n_batch]
+                yield i, ctx.eval(chunk, n_out=len(chunk))
+        finally:
+            ctx.truncate(keep)
+
+    def logits(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        """The target's logits (an (n_rows, n_vocab) float32 copy) for the last
+        ``n_rows`` positions of ``tokens``: row i predicts the token after
+        ``tokens[len(tokens) - n_rows + i]``.  Not during a generation."""
+        out = np.empty((n_rows, self.target.n_vocab), dtype=np.float32)
+        for i, z in self._forward(tokens, n_rows):
+            out[i : i + len(z)] = z
+        return out
+
+    def score_nll(self, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
+        """Per-token negative log-likelihood (nats, at T = 1) of ``continuation``
+        following ``prompt`` under the target, in batches of rows; the prompt
+        stays cached (minus its last token) for the next call or generation."""
+        prompt, cont = self._token_ids(prompt), self._token_ids(continuation)
+        if not cont:
+            return np.zeros(0)
+        if not prompt:
+            raise MarsError("the prompt is empty")
+        out = np.empty(len(cont))
+        for i, z in self._forward(prompt + cont[:-1], len(cont)):
+            z = np.asarray(z, dtype=np.float64)
+            zmax = z.max(axis=1)
+            lse = zmax + np.log(np.exp(z - zmax[:, None]).sum(axis=1))
+            out[i : i + len(z)] = lse - z[np.arange(len(z)), cont[i : i + len(z)]]
+        return out
+
     # ---------------------------------------------------------- generation
-    def stream(
-        self, prompt: str | Sequence[int], config: GenerateConfig | None = None, **options
-    ) -> Iterator[Chunk]:
+    def stream(self, prompt: str | Sequence[int], config: GenerateConfig | None = None, **options) -> Stream:
         """Generate, yielding one :class:`Chunk` per verify round.
 
-        The statistics are in ``self.last_stats`` from the first chunk on and
-        final once the iterator ends: exhausted, closed, collected, or stopped
-        by an exception (``generate`` returns them directly).  stop_reason is
-        "eog", "length", "context" (the context is full), "interrupted" (the
-        stream was closed early or hit KeyboardInterrupt) or "error".
+        Returns a :class:`Stream`: iterate it for the chunks; its ``stats``
+        are final once it is exhausted or closed (stop_reason "eog", "length",
+        "context" (the context is full), "interrupted" (closed early, or
+        KeyboardInterrupt) or "error").  ``generate`` returns them directly.
 
         One Engine runs one generation at a time (both caches are its state):
         a stream started while another one is unfinished is refused with a
         MarsError; exhaust or ``close()`` the first one (leaving a ``for`` loop
-        early releases it too, once the generator is collected).
+        early releases it too, once the stream is collected).
 
         A draft is never longer than ``n_batch - 1`` tokens, so a verify window
         fits one batch: ``draft_max`` larger than that is capped.
@@ -281,10 +270,15 @@ class Engine:
         tokens = self._prompt_tokens(prompt)
         vcfg = VerifyConfig(cfg.verify, cfg.theta, cfg.require_positive_top1, cfg.max_relaxed, self.target.eog_ids)
         seed = cfg.sampling.base_seed()
-        drafter = self._make_drafter(cfg, seed)
         ctrl = self._controller(cfg)
         stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
-        return self._run(tokens, cfg, vcfg, seed, drafter, stats, ctrl)
+        run = _Run(tokens, cfg, vcfg, seed, self._make_drafter(cfg, seed), stats, ctrl)
+        return Stream(self._run(run), stats)
+
+    @property
+    def last_stats(self) -> SpecStats | None:
+        """The statistics of the latest stream (compatibility: prefer ``Stream.stats``)."""
+        return self._last_stats
 
     def _check_idle(self) -> None:
         if self._busy is not None:
@@ -292,92 +286,33 @@ class Engine:
                 "another generation is still running on this Engine; exhaust or close() its stream first"
             )
 
+    def _make_drafter(self, cfg: GenerateConfig, seed: int) -> Drafter:
+        if self.drafter_kind == "model":
+            return ModelDrafter(
+                self.draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min
+            )
+        if self.drafter_kind == "ngram":
+            return NgramDrafter(self.ngram_max, self.ngram_min)
+        return Drafter()
+
     @property
     def _k_limit(self) -> int:
         """The longest draft whose verify window (k + 1 rows) fits one batch."""
         return min(MAX_DRAFT, self.ctx.n_batch - 1)
 
     def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
-        """The draft-length controller; its cost model outlives a generation.
-
-        Draft lengths follow measured timings, so they differ from run to run.
-        Strict output never depends on them (greedy is exact, sampling is
-        sample-and-compare on position-keyed draws), but MARS output and
-        sampled drafts do: a run with an explicit seed asks to be reproducible,
-        so there k stays fixed at draft_max.
-        """
+        """The draft-length controller for ``cfg`` (None: k stays at draft_max)."""
         k_max = min(cfg.draft_max, self._k_limit)
-        if not cfg.adaptive or self.drafter_kind == "none" or k_max == 0:
-            return None
-        depends_on_k = cfg.verify == "mars" or (cfg.draft_sampling == "sample" and not cfg.sampling.greedy)
-        if cfg.sampling.seeded and depends_on_k:
-            return None
-        # Acceptance depends on the rule (and θ, and sampling); window costs
-        # only on the target, so controllers of different rules share them.
-        regime = (cfg.verify, cfg.theta if cfg.verify == "mars" else None, cfg.sampling.greedy)
-        ctrl = self._adaptive.get(regime)
-        if ctrl is None:
-            first = next(iter(self._adaptive.values()), None)
-            ctrl = AdaptiveK(k_max=k_max, gpu=self.target.offloaded)
-            if first is not None:
-                ctrl.share_costs(first)
-            elif self._store is not None:
-                for part in ("costs", "draft"):
-                    key = self._learned_keys[part]
-                    if key and (state := self._store.get(key)):
-                        ctrl.import_state(state)
-            if self._store is not None:
-                ctrl.import_state(self._store.get(self._accept_key(regime)) or {})
-            self._adaptive[regime] = ctrl
-        ctrl.k_max = k_max
-        return ctrl
+        return self._controllers.for_config(cfg, k_max) if self.drafter_kind != "none" else None
 
-    def _accept_key(self, regime: tuple) -> str:
-        k = self._learned_keys
-        return f"accept|{k['target']}|{k['drafter']}|{'/'.join(str(x) for x in regime)}"
-
-    def _save_learned(self) -> None:
-        if self._store is None or not self._adaptive:
-            return
-        for regime, ctrl in self._adaptive.items():
-            st = ctrl.export_state()
-            self._store.put(self._accept_key(regime), {"counts": st["counts"]})
-        # window and draft timings are shared by every regime's controller (share_costs)
-        self._store.put(self._learned_keys["costs"], {"time": st["time"]})
-        if self._learned_keys["draft"]:
-            self._store.put(self._learned_keys["draft"], {"draft": st["draft"]})
-        self._store.save()
-
-    def _calibrate(self, ctrl: AdaptiveK, last: int) -> float:
-        """Time verify windows of a few sizes once (on top of the prompt, then
-        rolled back) when the controller has no measured window costs: a
-        controller that starts from priors spends a short answer finding them.
-        Returns the seconds spent."""
-        if not ctrl.needs_calibration():
-            return 0.0
-        tgt = self.ctx
-        clock = time.perf_counter
-        t_start = clock()
-        base = tgt.n_past
-        sizes = [w for w in (1, 2, 3, 5, 9, 17) if w <= ctrl.k_max + 1] + [ctrl.k_max + 1]
-        for w in sorted(set(sizes)):
-            if base + w >= tgt.n_ctx:
-                break
-            for _ in range(2):  # the first forward of a new size builds its graph and is not timed
-                t0 = clock()
-                tgt.eval([last] * w, n_out=w)
-                ctrl.observe_forward(w, clock() - t0)
-                tgt.truncate(base)
-        return clock() - t_start
-
-    def _run(self, tokens, cfg, vcfg, seed, drafter, stats, ctrl) -> Iterator[Chunk]:
+    def _run(self, run: _Run) -> Iterator[Chunk]:
+        """The loop, with the Engine held and the stats finalized on every way out."""
         self._check_idle()  # another stream may have started since this one was created
         busy = self._busy = object()
-        self.last_stats = stats
-        clock = time.perf_counter
-        t_start = clock()
+        self._last_stats = stats = run.stats
+        t_start = time.perf_counter()
         try:
-            yield from self._loop(tokens, cfg, vcfg, seed, drafter, stats, ctrl, clock, t_start)
+            yield from self._loop(run, t_start)
         except (GeneratorExit, KeyboardInterrupt):
             if not stats.stop_reason:
                 stats.stop_reason = "interrupted"
@@ -387,112 +322,153 @@ class Engine:
                 stats.stop_reason = "error"
             raise
         finally:
-            stats.time_total_s = clock() - t_start
+            stats.time_total_s = time.perf_counter() - t_start
             if self._busy is busy:
                 self._busy = None
-            if ctrl is not None:
-                self._save_learned()
+            if run.ctrl is not None:
+                self._controllers.save()
 
-    def _loop(self, tokens, cfg, vcfg, seed, drafter, stats, ctrl, clock, t_start) -> Iterator[Chunk]:
-        tgt = self.ctx
-        stats.n_prompt_evaluated = tgt.sync(tokens[:-1])
-        stats.time_prompt_target_s = clock() - t_start
-        drafter.begin(tokens)
-        stats.time_prompt_s = clock() - t_start
-        if ctrl is not None:
-            stats.time_calibrate_s = self._calibrate(ctrl, tokens[-1])
-
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        piece = self.target.piece
-        is_eog = self.target.is_eog
-        params = cfg.sampling
-        cheap = isinstance(drafter, NgramDrafter)
+    def _loop(self, run: _Run, t_start: float) -> Iterator[Chunk]:
+        clock, stats, tokens, drafter = time.perf_counter, run.stats, run.tokens, run.drafter
+        self._begin(run, t_start)
         use_native = native.available()  # the patched libllama's kernel; same results as numpy
         verify_window = native.verify if use_native else verify
         stats.verify_backend = "native" if use_native else "numpy"
-        generated = 0
-        while True:
-            remaining = cfg.max_tokens - generated
-            if remaining <= 0:
-                stats.stop_reason = "length"
-                break
-            room = tgt.n_ctx - tgt.n_past - 1  # rows that fit after `last`
-            if room < 0:
-                stats.stop_reason = "context"
-                break
-            k_cap = min(cfg.draft_max, self._k_limit, remaining - 1, room)
-
+        # Invariant at the top of every round: the target cache holds exactly
+        # tokens[:-1]; the draft cache (a draft model's) holds a prefix of
+        # tokens[:-1] (the drafter evaluates the rest when it next proposes).
+        while (k_cap := self._draft_cap(run)) is not None:
             t0 = clock()
-            shadow, drafted = None, None
-            if ctrl is None:
-                draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
-            elif cheap:
-                # An n-gram lookup is free: propose first, then let the
-                # controller cut the draft knowing its match lengths.
-                full = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
-                k = ctrl.choose(k_cap, full.keys or [])
-                draft = Draft(full.tokens[:k], keys=full.keys[:k]) if k else EMPTY_DRAFT
-                if not k and full.tokens:
-                    shadow = full  # its first token is compared with the target's, for free
-            elif ctrl.choose(k_cap) > 0:
-                # A draft model drafts token by token until the controller,
-                # seeing each token's confidence, says more would not pay;
-                # trailing drafts not worth their verify rows are cut.
-                full = drafter.propose(tokens, k_cap, extend=lambda keys: ctrl.extend(keys, k_cap))
-                drafted = len(full)
-                m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
-                draft = full if m == drafted else Draft(
-                    full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]
-                )
-            else:
-                draft = EMPTY_DRAFT
-            if len(draft) < cfg.draft_min:
-                draft = EMPTY_DRAFT
+            draft, shadow, drafted = self._choose_draft(run, k_cap)
+            # draft cache: tokens + d_0 .. d_{k-2} at most (the last draft is never evaluated)
             t1 = clock()
-            base = tgt.n_past
-            logits = tgt.eval([tokens[-1]] + draft.tokens, n_out=len(draft) + 1)
+            base = self.ctx.n_past  # == len(tokens) - 1
+            logits = self._target_forward(tokens[-1], draft)
+            # target cache: tokens + d_0 .. d_{k-1} (base + 1 + k positions)
             t2 = clock()
-            u = None if params.greedy else position_uniforms(seed, len(tokens), len(draft) + 1)
-            d = np.asarray(draft.tokens, dtype=np.int64)
-            res = verify_window(logits, d, vcfg, params, None, draft.probs, u)
+            res = self._verify(run, verify_window, logits, draft)
             t3 = clock()
-            tgt.truncate(base + 1 + res.n_accepted)
-            new = res.tokens
-            tokens.extend(new)
-            drafter.observe(tokens, res.n_accepted)
+            self._commit(run, base, res)
+            # target cache: tokens[:-1] again (the accepted drafts kept, the
+            # rejected ones dropped; the new last token is the target's);
+            # draft cache: the longest prefix it shares with tokens[:-1]
             t4 = clock()
-            stats.time_draft_s += (t1 - t0) + (t4 - t3)
+            t_draft = (t1 - t0) + (t4 - t3)
+            stats.time_draft_s += t_draft
             stats.time_target_s += t2 - t1
             stats.time_verify_s += t3 - t2
-            if ctrl is not None:
-                ctrl.observe(len(draft), res.n_accepted, t2 - t1, (t1 - t0) + (t4 - t3), draft.keys,
-                             drafted=0 if cheap else (drafted or 0))
+            if run.ctrl is not None:
+                run.ctrl.observe(len(draft), res.n_accepted, t2 - t1, t_draft, draft.keys, drafted=drafted)
                 if shadow is not None:
-                    ctrl.observe_shadow(shadow.tokens[0] == new[0], shadow.keys[0])
-
-            kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
-            stop = None
-            for i, t in enumerate(new):
-                if is_eog(t):
-                    new, kinds, stop = new[:i], kinds[:i], "eog"
-                    break
-            stats.record_round(len(draft), res.n_accepted, res.n_relaxed, len(new))
-            generated += len(new)
-            text = decoder.decode(b"".join(piece(t) for t in new))
-            # the reason is known before the yield: a consumer may stop at the last chunk
-            if stop:
-                stats.stop_reason = stop
-            elif generated >= cfg.max_tokens:
-                stats.stop_reason = "length"
-            elif tgt.n_ctx - tgt.n_past - 1 < 0:
-                stats.stop_reason = "context"
-            if new or text:
-                yield Chunk(list(new), text, kinds)
-            if stop:
+                    run.ctrl.observe_shadow(shadow.tokens[0] == res.tokens[0], shadow.keys[0])
+            chunk = self._emit(run, len(draft), res)
+            if chunk is not None:
+                yield chunk
+            if stats.stop_reason == "eog":
                 break
-        tail = decoder.decode(b"", final=True)
+        tail = run.decoder.decode(b"", final=True)
         if tail:
             yield Chunk([], tail, [])
+
+    def _begin(self, run: _Run, t_start: float) -> None:
+        """Bring both caches to the prompt minus its last token (reusing what they
+        share with it) and time a few verify windows if the controller needs it."""
+        stats, tokens = run.stats, run.tokens
+        stats.n_prompt_evaluated = self.ctx.sync(tokens[:-1])
+        stats.time_prompt_target_s = time.perf_counter() - t_start
+        run.drafter.begin(tokens)
+        stats.time_prompt_s = time.perf_counter() - t_start
+        if run.ctrl is not None:
+            stats.time_calibrate_s = calibrate(run.ctrl, self.ctx, tokens[-1])  # the cache is left unchanged
+
+    def _draft_cap(self, run: _Run) -> int | None:
+        """The longest draft this round may have, or None (with the stop reason
+        set) when the generation is done: max_tokens reached or no room left."""
+        remaining = run.cfg.max_tokens - run.generated
+        if remaining <= 0:
+            run.stats.stop_reason = "length"
+            return None
+        room = self.ctx.n_ctx - self.ctx.n_past - 1  # rows that fit after `last`
+        if room < 0:
+            run.stats.stop_reason = "context"
+            return None
+        return min(run.cfg.draft_max, self._k_limit, remaining - 1, room)
+
+    def _choose_draft(self, run: _Run, k_cap: int) -> tuple[Draft, Draft | None, int]:
+        """This round's draft (at most k_cap tokens); a proposal the controller
+        cut to nothing, whose first token is still worth comparing ("shadow");
+        and the number of tokens a costly drafter made (trimmed ones count)."""
+        drafter, ctrl, tokens = run.drafter, run.ctrl, run.tokens
+        shadow, drafted = None, 0
+        if ctrl is None:
+            draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+        elif drafter.cheap:
+            # Proposing is free: propose first, then let the controller cut
+            # the draft knowing its keys (n-gram match lengths; None: pooled).
+            full = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+            keys = (full.keys or []) if drafter.gives_keys else [None] * len(full)
+            k = ctrl.choose(k_cap, keys)
+            draft = Draft(full.tokens[:k], keys=keys[:k]) if k else EMPTY_DRAFT
+            if not k and full.tokens:
+                shadow = Draft(full.tokens, keys=keys)  # its first token is compared with the target's, for free
+        elif (k := ctrl.choose(k_cap)) > 0:
+            # A costly drafter that gives keys (a draft model: its confidence)
+            # drafts token by token until the controller, seeing each key, says
+            # more would not pay; trailing drafts not worth their verify rows are cut.
+            extend = (lambda keys: ctrl.extend(keys, k_cap)) if drafter.gives_keys else None
+            full = drafter.propose(tokens, k_cap if extend else k, extend=extend)
+            drafted = len(full)
+            m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
+            draft = full if m == drafted else Draft(
+                full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]
+            )
+        else:
+            draft = EMPTY_DRAFT
+        if len(draft) < run.cfg.draft_min:
+            draft = EMPTY_DRAFT
+        return draft, shadow, drafted
+
+    def _target_forward(self, last: int, draft: Draft) -> np.ndarray:
+        """One batched target decode of the window [last, d_0 .. d_{k-1}]: k+1 rows of logits."""
+        return self.ctx.eval([last] + draft.tokens, n_out=len(draft) + 1)
+
+    def _verify(self, run: _Run, verify_window, logits: np.ndarray, draft: Draft) -> VerifyResult:
+        """Apply the rule: m accepted drafts plus one target token (correction or bonus)."""
+        params = run.cfg.sampling
+        u = None if params.greedy else position_uniforms(run.seed, len(run.tokens), len(draft) + 1)
+        return verify_window(
+            logits, np.asarray(draft.tokens, dtype=np.int64), run.vcfg, params,
+            draft_probs=draft.probs, uniforms=u,
+        )
+
+    def _commit(self, run: _Run, base: int, res: VerifyResult) -> None:
+        """Keep [last, d_0 .. d_{m-1}] in the target cache, commit the new tokens,
+        and let the drafter roll its own cache back."""
+        self.ctx.truncate(base + 1 + res.n_accepted)
+        run.tokens.extend(res.tokens)
+        run.drafter.observe(run.tokens, res.n_accepted)
+
+    def _emit(self, run: _Run, k: int, res: VerifyResult) -> Chunk | None:
+        """The round's chunk (cut before an end-of-generation token), its
+        statistics, and the stop reason when this is the last round: it is
+        known before the chunk is yielded (a consumer may stop at it)."""
+        stats, new = run.stats, res.tokens
+        kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
+        stop = None
+        for i, t in enumerate(new):
+            if self.target.is_eog(t):
+                new, kinds, stop = new[:i], kinds[:i], "eog"
+                break
+        stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
+        run.generated += len(new)
+        text = run.decoder.decode(b"".join(self.target.piece(t) for t in new))
+        if stop:
+            stats.stop_reason = stop
+        elif run.generated >= run.cfg.max_tokens:
+            stats.stop_reason = "length"
+        elif self.ctx.n_ctx - self.ctx.n_past - 1 < 0:
+            stats.stop_reason = "context"
+        return Chunk(list(new), text, kinds) if new or text else None
 
     def generate(
         self,
@@ -504,17 +480,16 @@ class Engine:
         """Generate a completion; ``options`` are :class:`GenerateConfig` fields
         plus the sampling fields (temperature, top_k, top_p, min_p, seed)."""
         text, toks, kinds = [], [], []
-        it = self.stream(prompt, config, **options)
-        try:
-            for chunk in it:
+        with self.stream(prompt, config, **options) as stream:
+            # closed on every way out: an exception in on_chunk (Ctrl-C)
+            # finalizes the stats and frees the engine now
+            for chunk in stream:
                 text.append(chunk.text)
                 toks.extend(chunk.tokens)
                 kinds.extend(chunk.kinds)
                 if on_chunk is not None:
                     on_chunk(chunk)
-        finally:
-            it.close()  # an exception in on_chunk (Ctrl-C) finalizes the stats and frees the engine now
-        return Generation("".join(text), toks, kinds, self.last_stats)
+        return Generation("".join(text), toks, kinds, stream.stats)
 
     def reset(self) -> None:
         """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""

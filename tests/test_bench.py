@@ -235,25 +235,22 @@ def tiny_prompts(tmp_path_factory):
 
 
 def test_target_scorer_matches_a_full_forward(tiny_target):
-    from mars_local.runtime import Context, Model
+    from mars_local import Engine
 
-    model = Model(tiny_target)
+    prompt, gen = [1, 300, 301, 302], [303, 304, 300, 305, 306]
+    scorer = B.TargetScorer(target=tiny_target, n_ctx=256, n_batch=2)  # chunked rows
     try:
-        prompt, gen = [1, 300, 301, 302], [303, 304, 300, 305, 306]
-        scorer = B.TargetScorer(model, n_ctx=256, n_batch=2)  # chunked rows
         got = scorer.nll(prompt, gen)
         again = scorer.nll(prompt, gen)  # prompt cached, result unchanged
-        scorer.close()
-        ctx = Context(model, n_ctx=256)
-        z = np.asarray(ctx.eval(prompt + gen[:-1], n_out=len(gen)), dtype=np.float64)
-        ctx.close()
-        logp = z - z.max(1, keepdims=True)
-        logp -= np.log(np.exp(logp).sum(1, keepdims=True))
-        want = -logp[np.arange(len(gen)), gen]
-        assert np.allclose(got, want, atol=1e-4) and np.allclose(got, again, atol=1e-5)
-        assert np.all(got > 0)
     finally:
-        model.close()
+        scorer.close()
+    with Engine(tiny_target, n_ctx=256) as eng:  # one forward of every row
+        z = np.asarray(eng.logits(prompt + gen[:-1], n_rows=len(gen)), dtype=np.float64)
+    logp = z - z.max(1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+    want = -logp[np.arange(len(gen)), gen]
+    assert np.allclose(got, want, atol=1e-4) and np.allclose(got, again, atol=1e-5)
+    assert np.all(got > 0)
 
 
 def test_run_bench_on_tiny_models(tiny_target, tiny_draft, tiny_prompts):

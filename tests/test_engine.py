@@ -104,10 +104,14 @@ def test_each_verification_rule_learns_its_own_acceptance_on_shared_costs(tiny_t
         eng.generate("the a the a the", max_tokens=20, verify="mars", theta=0.9, draft_max=4)
         eng.generate("the a the a the", max_tokens=20, verify="mars", theta=0.8, draft_max=4)
         eng.generate("the a the a the", max_tokens=20, verify="strict", draft_max=4)
-        ctrls = list(eng._adaptive.values())
+        ctrls = list(eng._controllers)
         assert len(ctrls) == 3
-        assert all(c._time is ctrls[0]._time for c in ctrls) and ctrls[0]._time
-        assert ctrls[0]._counts is not ctrls[1]._counts
+        ctrls[0].observe_forward(99, 1.0)  # a cost seen by one is seen by all ...
+        ctrls[0].observe_forward(99, 1.0)  # (the first forward of a new size is not timed)
+        ctrls[0].observe_shadow(True, "only-here")  # ... an acceptance only by its own regime
+        states = [c.export_state() for c in ctrls]
+        assert all(st["time"] == states[0]["time"] and "99" in st["time"] for st in states)
+        assert [any(k == "only-here" for k, *_ in st["counts"]) for st in states] == [True, False, False]
 
 
 def test_plain_decoding_is_one_token_per_round(plain):
@@ -175,12 +179,10 @@ def test_strict_sampling_preserves_the_models_next_token_distribution(tiny_targe
     prompt = "hello world"
     with Engine(tiny_target, tiny_draft) as eng:
         toks = eng.tokenize(prompt)
-        ctx = eng.ctx
-        ctx.sync(toks[:-1])
-        p = probabilities(ctx.eval(toks[-1:], 1)[0].copy(), params)
+        p = probabilities(eng.logits(toks)[0], params)
         n = 1500
         counts = np.zeros(len(p), dtype=np.int64)
-        eog = list(eng.target.eog_ids)
+        eog = list(eng.eog_ids)
         for seed in range(n):
             out = eng.generate(toks, max_tokens=2, verify="strict", draft_max=3, draft_sampling=draft_sampling, adaptive=False,
                                temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=seed)

@@ -84,7 +84,7 @@ def test_mars_accepted_length_above_strict(f16_pair):
 def test_chat_prompt_and_stop_on_end_of_turn(q41):
     """The instruct model, prompted in its chat format, ends its turn by itself."""
     prompt = q41.chat_prompt([{"role": "user", "content": "Say hello."}])
-    assert q41.target.detokenize(prompt, special=True).startswith("<|im_start|>system")  # the template's default system turn
+    assert q41.detokenize(prompt, special=True).startswith("<|im_start|>system")  # the template's default system turn
     out = q41.generate(prompt, max_tokens=128)
     assert out.stats.stop_reason == "eog"
     assert out.text.strip() and "<|im_end|>" not in out.text

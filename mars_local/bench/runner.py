@@ -29,7 +29,8 @@ def _per_token(x: Sample) -> float:
     return x.time_decode_s / x.n_generated if x.n_generated else float("inf")
 
 
-def _prompt_tokens(eng, p: BenchPrompt) -> list[int]:
+def prompt_tokens(eng, p: BenchPrompt) -> list[int]:
+    """The token ids of a bench prompt (its chat messages rendered with the target's template)."""
     try:
         return eng.chat_prompt(list(p.messages)) if p.messages is not None else eng.tokenize(p.text)
     except MarsError as exc:
@@ -79,7 +80,7 @@ def run_bench(
                 ngram_max=s.ngram_max,
             )
         first = engines[s.drafters[0]]
-        tokens = [_prompt_tokens(first, p) for p in prompts]
+        tokens = [prompt_tokens(first, p) for p in prompts]
         for p, t in zip(prompts, tokens):
             if len(t) >= first.n_ctx:
                 raise MarsError(f"prompt {p.id} is {len(t)} tokens but the context holds {first.n_ctx}; use a larger -c")
@@ -124,10 +125,10 @@ def run_bench(
                     elif not r.is_peer:
                         engine_for(r).generate(tokens[0], config(r, min(8, s.max_tokens)))
 
-        # Quality is scored in the plain engine's own target context once a
-        # prompt's generations are done (outside every timed region): the
-        # prompt is still in its KV cache.
-        scorer = TargetScorer(context=first.ctx)
+        # Quality is scored by the plain engine once a prompt's generations
+        # are done (outside every timed region): the prompt is still in its
+        # KV cache.
+        scorer = TargetScorer(first)
         samples: dict[RunConfig, list[Sample | None]] = {r: [None] * len(prompts) for r in runs}
         total, done = len(runs) * len(prompts) * s.repeats, 0
         for i, p in enumerate(prompts):
