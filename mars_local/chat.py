@@ -148,7 +148,11 @@ class ChatSession:
             self.messages = before  # nothing of the conversation is lost
             raise
         if dropped:
-            yield ContextDropped(dropped)
+            try:
+                yield ContextDropped(dropped)
+            except GeneratorExit:  # closed before the answer started: no turn
+                self.messages.pop()
+                raise
         room = self.engine.n_ctx - len(toks) - 1
         cfg = replace(self.config, max_tokens=max(1, min(self.config.max_tokens, room)))
         parts: list[str] = []

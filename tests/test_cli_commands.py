@@ -156,6 +156,11 @@ def test_chat_slides_history_when_the_context_fills():
     assert dropped > 0 and len(s.messages) == 2 * (12 - dropped)
     assert max(len(c[0]) for c in s.engine.calls) <= 256 - 16  # every prompt left room for the answer
     assert s.messages[-2]["content"].startswith("w11")
+    # a turn closed before its answer started leaves no unanswered message behind
+    turn = s.ask("x " * 60)
+    assert isinstance(next(turn), ContextDropped)
+    turn.close()
+    assert s.messages[-1]["role"] == "assistant"
     # a message that can never fit is refused and loses nothing
     before = list(s.messages)
     with pytest.raises(MarsError, match="context"):
