@@ -34,11 +34,12 @@ __version__ = "0.1.0"
 
 # lazily exported name -> the submodule that defines it
 _LAZY = {
-    "Chunk": "engine",
+    "Chunk": "generation",
     "Engine": "engine",
-    "GenerateConfig": "engine",
-    "Generation": "engine",
+    "GenerateConfig": "generation",
+    "Generation": "generation",
     "SpecStats": "stats",
+    "Stream": "generation",
 }
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "MarsError",
     "SamplingParams",
     "SpecStats",
+    "Stream",
     "VerifyConfig",
     "VerifyResult",
     "verify",
@@ -56,7 +58,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .engine import Chunk, Engine, GenerateConfig, Generation
+    from .engine import Engine
+    from .generation import Chunk, GenerateConfig, Generation, Stream
     from .stats import SpecStats
 
 

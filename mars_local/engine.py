@@ -268,7 +268,7 @@ class Engine:
         if config is not None and options:
             cfg = replace(cfg, **options)
         tokens = self._prompt_tokens(prompt)
-        vcfg = VerifyConfig(cfg.verify, cfg.theta, cfg.require_positive_top1, cfg.max_relaxed, self.target.eog_ids)
+        vcfg = cfg.verify_config(self.target.eog_ids)
         seed = cfg.sampling.base_seed()
         ctrl = self._controller(cfg)
         stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)

@@ -29,7 +29,7 @@ class GenerateConfig:
 
     max_tokens: int = 256
     verify: VerifyMethod = "mars"
-    theta: float = 0.9
+    theta: float = VerifyConfig.theta
     draft_max: int = 8
     draft_min: int = 0
     draft_p_min: float = 0.0
@@ -53,7 +53,11 @@ class GenerateConfig:
             raise MarsError(f"draft-p-min must be in [0, 1], got {self.draft_p_min}")
         if self.draft_sampling not in DRAFT_SAMPLINGS:
             raise MarsError(f"draft sampling must be {' or '.join(DRAFT_SAMPLINGS)}, got {self.draft_sampling!r}")
-        VerifyConfig(self.verify, self.theta, self.require_positive_top1, self.max_relaxed)  # validates
+        self.verify_config()  # validates the verification fields (their one home: VerifyConfig)
+
+    def verify_config(self, eog_ids: tuple[int, ...] = ()) -> VerifyConfig:
+        """The verification rule these settings ask for (``eog_ids``: the target's end-of-generation tokens)."""
+        return VerifyConfig(self.verify, self.theta, self.require_positive_top1, self.max_relaxed, tuple(eog_ids))
 
     @classmethod
     def make(cls, **kw) -> "GenerateConfig":

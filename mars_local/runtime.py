@@ -239,6 +239,11 @@ class Model:
             pass
 
 
+# llama.cpp's speculative-decoding vocabulary check (common/speculative.cpp)
+VOCAB_SIZE_MAX_DIFF = 128  # vocabulary sizes may differ by this many (padding)
+VOCAB_CHECK_START_ID = 5  # token texts are compared from this id on
+
+
 def check_vocab_compatible(target: Model, draft: Model) -> None:
     """Refuse a draft whose tokenizer differs (llama.cpp's five rules)."""
     def fail(why: str) -> None:
@@ -255,9 +260,9 @@ def check_vocab_compatible(target: Model, draft: Model) -> None:
         C.llama_vocab_get_add_eos(target.vocab) and target.eos != draft.eos
     ):
         fail("different EOS token")
-    if abs(target.n_vocab - draft.n_vocab) > 128:
+    if abs(target.n_vocab - draft.n_vocab) > VOCAB_SIZE_MAX_DIFF:
         fail(f"vocabulary sizes {target.n_vocab} and {draft.n_vocab}")
-    for t in range(5, min(target.n_vocab, draft.n_vocab)):
+    for t in range(VOCAB_CHECK_START_ID, min(target.n_vocab, draft.n_vocab)):
         if target.token_text(t) != draft.token_text(t):
             fail(f"token {t} differs")
 

@@ -89,6 +89,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .choices import VERIFY_METHODS as METHODS  # the allowed values, declared once
 from .errors import MarsError
 from .sampling import SamplingParams, probabilities, sample_from
 
@@ -102,7 +103,7 @@ __all__ = [
     "verify_sampling",
 ]
 
-METHODS = ("strict", "mars")
+DEFAULT_THETA = 0.9  # the MARS margin threshold (paper: 0.9); every default reads this line
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ class VerifyConfig:
     """Which rule to apply and its knobs (see the module glossary)."""
 
     method: str = "mars"
-    theta: float = 0.9
+    theta: float = DEFAULT_THETA
     require_positive_top1: bool = True
     max_relaxed: int | None = None
     eog_ids: tuple[int, ...] = ()

@@ -17,6 +17,9 @@ PURE = [
     "mars_local.verify",
     "mars_local.adaptive",
     "mars_local.stats",
+    "mars_local.choices",
+    "mars_local.generation",
+    "mars_local.controllers",
     "mars_local.drafters",
     "mars_local.learned",
     "mars_local.native",
@@ -24,6 +27,10 @@ PURE = [
     "mars_local.chat_template",
     "mars_local.chat_tokens",
     "mars_local.hub",
+    "mars_local.chat",
+    "mars_local.batch",
+    "mars_local.registry",
+    "mars_local.protocol",
 ]
 
 
@@ -41,9 +48,10 @@ def test_public_names_are_listed_and_pure_ones_resolve_without_llama_cpp():
     r = run(
         "import sys, mars_local as m\n"
         "assert set(m.__all__) <= set(dir(m)), set(m.__all__) - set(dir(m))\n"
-        "for name in ('MarsError', 'SamplingParams', 'SpecStats', 'VerifyConfig', 'VerifyResult'):\n"
+        "for name in ('MarsError', 'SamplingParams', 'SpecStats', 'VerifyConfig', 'VerifyResult', 'GenerateConfig', 'Chunk', 'Generation', 'Stream'):\n"
         "    assert getattr(m, name).__name__ == name\n"
         "assert m.verify.__module__ == 'mars_local.verify' and callable(m.verify)\n"
+        "assert m.GenerateConfig().theta == m.VerifyConfig().theta  # one default\n"
         "assert 'mars_local.engine' not in sys.modules and 'llama_cpp' not in sys.modules\n"
         "try:\n"
         "    m.no_such_name\n"

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import MarsError
+from ..generation import GenerateConfig
+from ..sampling import SamplingParams
 from .prompts import BenchPrompt
 
 DEFAULT_THETAS = (0.85, 0.9, 0.95)
@@ -50,15 +52,15 @@ class BenchSettings:
     draft: Path | None = None
     drafters: tuple[str, ...] = ("ngram",)
     thetas: tuple[float, ...] = DEFAULT_THETAS
-    draft_max: int = 8
+    draft_max: int = GenerateConfig.draft_max
     adaptive_modes: tuple[bool, ...] = (False, True)
     fixed_ks: tuple[int, ...] | None = None  # draft lengths of the fixed runs (default: draft_max)
     repeats: int = 1  # generations per (configuration, prompt); the fastest one is kept
     max_tokens: int = 64
     temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
+    top_k: int = SamplingParams.top_k
+    top_p: float = SamplingParams.top_p
+    min_p: float = SamplingParams.min_p
     seed: int = 0
     n_ctx: int = 4096
     n_gpu_layers: int | None = None

@@ -100,7 +100,7 @@ def run_bench(
             if r.method == "plain":
                 return GenerateConfig(max_tokens=max_tokens, verify="strict", draft_max=0, adaptive=False, sampling=sampling)
             return GenerateConfig(
-                max_tokens=max_tokens, verify=r.method, theta=r.theta if r.theta is not None else 0.9,
+                max_tokens=max_tokens, verify=r.method, theta=r.theta if r.theta is not None else GenerateConfig.theta,
                 draft_max=s.draft_max if r.k == "adaptive" else r.k, adaptive=r.k == "adaptive", sampling=sampling,
             )
 
