@@ -88,7 +88,10 @@ def test_a_registry_pair_brings_its_drafter_theta_and_k(fake_engine):
     pair = load_registry().get("smollm2-135m")
     assert [o["drafter"] for o in fake_engine.opened] == [pair.drafter, pair.drafter, "none"]
     (_, a), (_, b), _ = fake_engine.calls
-    assert (a.theta, a.draft_max) == (pair.theta, pair.draft_max) and (b.theta, b.draft_max) == (0.5, 3)
+    from mars_local.generation import GenerateConfig
+
+    theta = GenerateConfig.theta if pair.theta is None else pair.theta  # the pair overrides only what it names
+    assert (a.theta, a.draft_max) == (theta, pair.draft_max) and (b.theta, b.draft_max) == (0.5, 3)
 
 
 def test_the_fake_and_the_real_engine_offer_what_the_cli_uses(tiny_target):
@@ -128,7 +131,8 @@ def test_choose_models_for_a_pair_and_the_bench_drafters(tmp_path):
     pair = load_registry().get("smollm2-135m")  # the default pair: n-gram drafter, no draft model
     for c in (choose_models(), choose_models("smollm2-135m"), choose_models(pair="smollm2-135m")):
         assert (c.label, c.pair, c.drafter, c.draft) == ("smollm2-135m", pair, pair.drafter, None)
-        assert c.overrides == {"theta": pair.theta, "draft_max": pair.draft_max}
+        named = {"theta": pair.theta, "draft_max": pair.draft_max}
+        assert c.overrides == {k: v for k, v in named.items() if v is not None}
         assert bench_drafters(c, None) == ("ngram",)
     d = tmp_path / "d.gguf"
     with_draft = choose_models(model_draft=str(d))

@@ -230,7 +230,7 @@ def test_registry_schema():
             assert ("repo" in spec) != ("package" in spec), name
             if "repo" in spec:
                 assert spec["repo"].count("/") == 1, name
-        assert 0 < m["theta"] <= 1 and m["draft_max"] >= 1 and m["drafter"] in ("model", "ngram", "none")
+        assert 0 < m.get("theta", 0.9) <= 1 and m["draft_max"] >= 1 and m["drafter"] in ("model", "ngram", "none")
         if m["drafter"] == "model":
             assert "draft" in m
     families = " ".join(real).lower()
