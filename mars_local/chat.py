@@ -41,18 +41,20 @@ def short_json(value) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def check_messages(msgs) -> None:
-    """A non-empty list of ``{"role", "content"}`` objects with a known role and
-    string content; one MarsError naming the item and the field otherwise."""
+def check_messages(msgs, roles: tuple[str, ...] | None = ROLES) -> None:
+    """A non-empty list of ``{"role", "content"}`` objects with a known role
+    (any string when ``roles`` is None: a template may know others) and string
+    content; one MarsError naming the item and the field otherwise."""
     if not isinstance(msgs, list) or not msgs:
         raise MarsError(f"'messages' must be a non-empty list of {{role, content}} objects, got {short_json(msgs)}")
     for i, m in enumerate(msgs, start=1):
         where = f"'messages' item {i}"
         if not isinstance(m, dict):
             raise MarsError(f"{where} must be an object with 'role' and 'content', got {short_json(m)}")
-        if m.get("role") not in ROLES:
+        if not isinstance(m.get("role"), str) or (roles is not None and m["role"] not in roles):
             got = short_json(m["role"]) if "role" in m else "nothing"
-            raise MarsError(f"{where}: 'role' must be one of {', '.join(ROLES)}, got {got}")
+            allowed = f"one of {', '.join(roles)}" if roles is not None else "a string"
+            raise MarsError(f"{where}: 'role' must be {allowed}, got {got}")
         if not isinstance(m.get("content"), str):
             got = short_json(m["content"]) if "content" in m else "nothing"
             raise MarsError(f"{where}: 'content' must be a string, got {got}")

@@ -159,11 +159,10 @@ class Engine:
         template's markup only, never in message text (see
         :mod:`mars_local.chat_template`).  Every failure is one MarsError.
         """
-        from .chat_template import tokenize_chat
+        from .chat import check_messages
+        from .chat_tokens import tokenize_chat
 
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise MarsError("each chat message needs a string 'role' and a string 'content'")
+        check_messages(list(messages), roles=None)  # the template decides which roles it knows
         return tokenize_chat(self._chat_template(), self.target, list(messages))
 
     def _chat_template(self):
