@@ -9,7 +9,7 @@ PROMPT  ?= Explain speculative decoding in two sentences.
 # venv without llama-cpp-python: proves the core needs no native build.
 PURE_VENV  := .cache/venv-pure
 PURE_TESTS := tests/test_imports.py tests/test_gguf_file.py tests/test_verify.py tests/test_verify_stats.py \
-              tests/test_adaptive.py tests/test_learned.py
+              tests/test_adaptive.py tests/test_learned.py tests/test_drafters.py
 
 .PHONY: install run test test-pure bench clean distclean
 

@@ -186,6 +186,8 @@ def bench(
     for table in B.render_tables(result, title):
         out.print(table)
     for note in result.notes:
+        if note == unscored:
+            continue  # warned about before the run
         err.print(f"note: {note}", highlight=False, markup=False, soft_wrap=True)
     if json_path is not None:
         B.write_json(result, json_path)

@@ -41,6 +41,7 @@ from .adaptive import confidence_key
 from .choices import DRAFT_SAMPLINGS, DraftSampling
 from .errors import MarsError
 from .sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
+from .tokens import common_prefix_len
 
 __all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT", "Extend"]
 
@@ -208,11 +209,4 @@ class ModelDrafter(Drafter):
         return Draft(out, np.stack(probs) if sampled else None, keys)
 
     def observe(self, tokens: list[int], n_accepted: int) -> None:
-        ctx = self.ctx
-        base = self._base
-        have = ctx.tokens
-        n = min(len(have), len(tokens))
-        keep = base
-        while keep < n and have[keep] == tokens[keep]:
-            keep += 1
-        ctx.truncate(keep)
+        self.ctx.truncate(common_prefix_len(self.ctx.tokens, tokens, start=self._base))

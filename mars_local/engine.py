@@ -85,20 +85,20 @@ class Engine:
         self.drafter_kind = drafter = _drafter_kind(drafter, draft)
         self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
-        self.ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
+        self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
         if drafter != "none" and self.target.recurrent:
             raise MarsError(
                 "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
                 "speculative decoding is not supported for it (use --no-draft)"
             )
         self.draft_model: Model | None = None
-        self.draft_ctx: Context | None = None
+        self._draft_ctx: Context | None = None
         if drafter == "model":
             self.draft_model = Model(draft, n_gpu_layers_draft)
             if self.draft_model.recurrent:
                 raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
             check_vocab_compatible(self.target, self.draft_model)
-            self.draft_ctx = Context(self.draft_model, n_ctx=self.ctx.n_ctx, **ctx_opts)
+            self._draft_ctx = Context(self.draft_model, n_ctx=self._ctx.n_ctx, **ctx_opts)
         self._chat_formatter = None
         self._busy: object | None = None  # the running stream's token (one generation at a time)
         self._last_stats: SpecStats | None = None
@@ -109,7 +109,7 @@ class Engine:
         store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
         keys = learned_keys(
             target, draft, drafter, (ngram_max, ngram_min), build=build_fingerprint(),
-            device=f"t{self.ctx.n_threads}|{kv_type}|fa{flash_attn}",
+            device=f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}",
             n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
         )
         self._controllers = Controllers(store, keys, gpu=self.target.offloaded)
@@ -118,12 +118,12 @@ class Engine:
     @property
     def n_ctx(self) -> int:
         """The context size in use (llama.cpp rounds a requested size up to a multiple of 256)."""
-        return self.ctx.n_ctx
+        return self._ctx.n_ctx
 
     @property
     def n_ctx_requested(self) -> int:
         """The context size asked for (n_ctx=0 asks for the training context)."""
-        return self.ctx.n_ctx_requested
+        return self._ctx.n_ctx_requested
 
     @property
     def n_ctx_train(self) -> int:
@@ -210,7 +210,7 @@ class Engine:
         toks = self._token_ids(tokens)
         if not 1 <= n_rows <= len(toks):
             raise ValueError(f"n_rows must be in 1..{len(toks)}, got {n_rows}")
-        ctx, keep = self.ctx, len(toks) - n_rows
+        ctx, keep = self._ctx, len(toks) - n_rows
         ctx.sync(toks[:keep])
         try:
             for i in range(0, n_rows, ctx.n_batch):
@@ -288,7 +288,7 @@ class Engine:
     def _make_drafter(self, cfg: GenerateConfig, seed: int) -> Drafter:
         if self.drafter_kind == "model":
             return ModelDrafter(
-                self.draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min
+                self._draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min
             )
         if self.drafter_kind == "ngram":
             return NgramDrafter(self.ngram_max, self.ngram_min)
@@ -297,7 +297,7 @@ class Engine:
     @property
     def _k_limit(self) -> int:
         """The longest draft whose verify window (k + 1 rows) fits one batch."""
-        return min(MAX_DRAFT, self.ctx.n_batch - 1)
+        return min(MAX_DRAFT, self._ctx.n_batch - 1)
 
     def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
         """The draft-length controller for ``cfg`` (None: k stays at draft_max)."""
@@ -341,7 +341,7 @@ class Engine:
             draft, shadow, drafted = self._choose_draft(run, k_cap)
             # draft cache: tokens + d_0 .. d_{k-2} at most (the last draft is never evaluated)
             t1 = clock()
-            base = self.ctx.n_past  # == len(tokens) - 1
+            base = self._ctx.n_past  # == len(tokens) - 1
             logits = self._target_forward(tokens[-1], draft)
             # target cache: tokens + d_0 .. d_{k-1} (base + 1 + k positions)
             t2 = clock()
@@ -373,12 +373,12 @@ class Engine:
         """Bring both caches to the prompt minus its last token (reusing what they
         share with it) and time a few verify windows if the controller needs it."""
         stats, tokens = run.stats, run.tokens
-        stats.n_prompt_evaluated = self.ctx.sync(tokens[:-1])
+        stats.n_prompt_evaluated = self._ctx.sync(tokens[:-1])
         stats.time_prompt_target_s = time.perf_counter() - t_start
         run.drafter.begin(tokens)
         stats.time_prompt_s = time.perf_counter() - t_start
         if run.ctrl is not None:
-            stats.time_calibrate_s = calibrate(run.ctrl, self.ctx, tokens[-1])  # the cache is left unchanged
+            stats.time_calibrate_s = calibrate(run.ctrl, self._ctx, tokens[-1])  # the cache is left unchanged
 
     def _draft_cap(self, run: _Run) -> int | None:
         """The longest draft this round may have, or None (with the stop reason
@@ -387,7 +387,7 @@ class Engine:
         if remaining <= 0:
             run.stats.stop_reason = "length"
             return None
-        room = self.ctx.n_ctx - self.ctx.n_past - 1  # rows that fit after `last`
+        room = self._ctx.n_ctx - self._ctx.n_past - 1  # rows that fit after `last`
         if room < 0:
             run.stats.stop_reason = "context"
             return None
@@ -429,7 +429,7 @@ class Engine:
 
     def _target_forward(self, last: int, draft: Draft) -> np.ndarray:
         """One batched target decode of the window [last, d_0 .. d_{k-1}]: k+1 rows of logits."""
-        return self.ctx.eval([last] + draft.tokens, n_out=len(draft) + 1)
+        return self._ctx.eval([last] + draft.tokens, n_out=len(draft) + 1)
 
     def _verify(self, run: _Run, verify_window, logits: np.ndarray, draft: Draft) -> VerifyResult:
         """Apply the rule: m accepted drafts plus one target token (correction or bonus)."""
@@ -443,7 +443,7 @@ class Engine:
     def _commit(self, run: _Run, base: int, res: VerifyResult) -> None:
         """Keep [last, d_0 .. d_{m-1}] in the target cache, commit the new tokens,
         and let the drafter roll its own cache back."""
-        self.ctx.truncate(base + 1 + res.n_accepted)
+        self._ctx.truncate(base + 1 + res.n_accepted)
         run.tokens.extend(res.tokens)
         run.drafter.observe(run.tokens, res.n_accepted)
 
@@ -465,7 +465,7 @@ class Engine:
             stats.stop_reason = stop
         elif run.generated >= run.cfg.max_tokens:
             stats.stop_reason = "length"
-        elif self.ctx.n_ctx - self.ctx.n_past - 1 < 0:
+        elif self._ctx.n_ctx - self._ctx.n_past - 1 < 0:
             stats.stop_reason = "context"
         return Chunk(list(new), text, kinds) if new or text else None
 
@@ -493,12 +493,12 @@ class Engine:
     def reset(self) -> None:
         """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""
         self._check_idle()
-        for ctx in (self.ctx, self.draft_ctx):
+        for ctx in (self._ctx, self._draft_ctx):
             if ctx is not None:
                 ctx.truncate(0)
 
     def close(self) -> None:
-        for obj in (self.draft_ctx, self.ctx, self.draft_model, self.target):
+        for obj in (self._draft_ctx, self._ctx, self.draft_model, self.target):
             if obj is not None:
                 obj.close()
 

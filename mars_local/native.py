@@ -119,16 +119,9 @@ class _Workspace(threading.local):
 _work = _Workspace()
 
 
-def verify(
-    logits: np.ndarray,
-    draft: np.ndarray,
-    cfg: VerifyConfig,
-    params: SamplingParams,
-    rng: np.random.Generator | None = None,
-    draft_probs: np.ndarray | None = None,
-    uniforms: np.ndarray | None = None,
-) -> VerifyResult:
-    """:func:`mars_local.verify.verify` computed by the native kernel."""
+def verify(logits, draft, cfg: VerifyConfig, params: SamplingParams,
+           rng=None, draft_probs=None, uniforms=None) -> VerifyResult:
+    """:func:`mars_local.verify.verify` computed by the native kernel (same arguments, same types)."""
     state = _state if _state is not None else _load()
     if not state or type(logits) is not np.ndarray or logits.dtype != np.float32 or logits.ndim != 2:
         return verify_numpy(logits, draft, cfg, params, rng, draft_probs, uniforms)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .errors import MarsError
 from .gguf_file import check_gguf_file
+from .tokens import common_prefix_len
 
 try:  # pragma: no cover - exercised by the import itself
     import llama_cpp as _llama_pkg
@@ -466,13 +467,6 @@ class Context:
             raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
         del self.tokens[n_keep:]
 
-    def common_prefix(self, tokens) -> int:
-        n = min(len(self.tokens), len(tokens))
-        a = np.asarray(self.tokens[:n])
-        b = np.asarray(tokens[:n])
-        diff = np.flatnonzero(a != b)
-        return int(diff[0]) if diff.size else n
-
     def sync(self, tokens) -> int:
         """Make the cache hold exactly ``tokens``, reusing the common prefix.
 
@@ -486,10 +480,11 @@ class Context:
         if pos_max + 1 != len(self.tokens):
             C.llama_memory_seq_rm(self.mem, 0, min(len(self.tokens), pos_max + 1), -1)
             del self.tokens[pos_max + 1 :]
-        keep = self.common_prefix(tokens)
+        keep = common_prefix_len(self.tokens, tokens)
         self.truncate(keep)
         rest = list(tokens[keep:])
-        self.eval(rest, n_out=0 if rest else 0) if rest else None
+        if rest:
+            self.eval(rest, n_out=0)
         return len(rest)
 
     def close(self) -> None:

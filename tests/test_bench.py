@@ -73,13 +73,6 @@ def test_task_score_dispatch():
         B.task_score("bleu", "a", "b")
 
 
-def test_common_prefix_len():
-    assert B.common_prefix_len([1, 2, 3], [1, 2, 3]) == 3
-    assert B.common_prefix_len([1, 2, 3], [1, 5, 3]) == 1
-    assert B.common_prefix_len([1, 2], [1, 2, 3, 4]) == 2
-    assert B.common_prefix_len([], [1]) == 0
-
-
 # ------------------------------------------------------------------ prompts
 def test_builtin_prompt_set_loads():
     ps = B.load_prompts()

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from mars_local import Engine, MarsError
@@ -302,40 +300,6 @@ def test_recurrent_models_are_refused_for_drafting(tiny_target, tiny_draft, monk
         Engine(tiny_target, tiny_draft)
     with Engine(tiny_target) as plain:  # plain decoding still works
         assert plain.generate("hello", max_tokens=3).stats.n_generated >= 1
-
-
-def scan_lookup(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, list[int]]:
-    """Reference prompt lookup by a full scan: (longest matching n, up to k tokens after its most
-    recent earlier occurrence), (0, []) without a match."""
-    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-        for start in range(len(tokens) - 1 - n, -1, -1):  # windows ending before the last token
-            if tokens[start : start + n] == tokens[-n:]:
-                return n, tokens[start + n : start + n + k]
-    return 0, []
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    vocab=st.integers(2, 20),
-    lo=st.integers(1, 2),
-    extra=st.integers(0, 2),
-    steps=st.lists(st.tuples(st.lists(st.integers(0, 19), min_size=1, max_size=3), st.integers(1, 5)), max_size=25),
-    prompt=st.lists(st.integers(0, 19), min_size=2, max_size=40),
-)
-def test_ngram_index_equals_a_full_scan(vocab, lo, extra, steps, prompt):
-    """The incremental index proposes what a scan of all committed tokens finds, with keys n, n+1, ..."""
-    from mars_local.drafters import NgramDrafter
-
-    hi = lo + extra
-    toks = [t % vocab for t in prompt]
-    d = NgramDrafter(hi, lo)
-    d.begin(toks)
-    for new, k in [([], 3)] + steps:
-        toks.extend(t % vocab for t in new)
-        got = d.propose(toks, k)
-        n, want = scan_lookup(toks, k, hi, lo)
-        assert got.tokens == want
-        assert (got.keys or []) == [min(n + i, hi + 2) for i in range(len(want))]
 
 
 def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(plain, spec, monkeypatch):

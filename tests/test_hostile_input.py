@@ -344,7 +344,7 @@ def test_stats_are_final_after_close_or_ctrl_c(tiny_target):
         assert e.last_stats.stop_reason == "interrupted" and e.last_stats.time_total_s > 0
         assert e.generate("hello", max_tokens=3).stats.stop_reason in ("length", "eog")
 
-        real_eval, calls = e.ctx.eval, []
+        real_eval, calls = e._ctx.eval, []
 
         def eval_then_ctrl_c(*a, **k):  # Ctrl-C inside the generator, in the middle of a decode
             calls.append(1)
@@ -352,12 +352,12 @@ def test_stats_are_final_after_close_or_ctrl_c(tiny_target):
                 raise KeyboardInterrupt
             return real_eval(*a, **k)
 
-        e.ctx.eval = eval_then_ctrl_c
+        e._ctx.eval = eval_then_ctrl_c
         try:
             with pytest.raises(KeyboardInterrupt):
                 e.generate("the a the a", max_tokens=50)
         finally:
-            del e.ctx.eval
+            del e._ctx.eval
         st = e.last_stats
         assert st.stop_reason == "interrupted" and st.n_generated > 0 and st.time_total_s >= st.time_prompt_s > 0
         assert e.generate("hello", max_tokens=3).stats.n_generated > 0

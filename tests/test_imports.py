@@ -21,6 +21,7 @@ PURE = [
     "mars_local.generation",
     "mars_local.controllers",
     "mars_local.drafters",
+    "mars_local.tokens",
     "mars_local.learned",
     "mars_local.native",
     "mars_local.gguf_file",

@@ -73,11 +73,11 @@ from .config import (
     Sample,
     plan_runs,
 )
+from ..tokens import common_prefix_len
 from .metrics import (
     METRICS,
     unavailable_metrics,
     unscored_note,
-    common_prefix_len,
     extract_answer,
     score_chrf,
     score_contains,

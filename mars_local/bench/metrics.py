@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
 from functools import lru_cache
 
 from ..errors import MarsError
@@ -117,11 +116,4 @@ def unscored_note(missing: dict[str, str]) -> str | None:
     return f"{', '.join(missing)} prompts are timed but not scored: {BENCH_EXTRA_HINT}"
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading positions where ``a`` and ``b`` hold the same token."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+

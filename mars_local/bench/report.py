@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import MarsError
 from .config import PEER_SPEC, BenchResult, RunConfig, Sample
-from .metrics import common_prefix_len
+from ..tokens import common_prefix_len
 from .prompts import BenchPrompt
 
 PLOT_HINT = "install mars-local[bench] for --plot"
