@@ -10,6 +10,8 @@ import codecs
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from .adaptive import AdaptiveK
 from .choices import DRAFT_SAMPLINGS, DraftSampling, VerifyMethod
 from .drafters import Drafter
@@ -18,7 +20,7 @@ from .sampling import SamplingParams
 from .stats import SpecStats
 from .verify import VerifyConfig
 
-__all__ = ["GenerateConfig", "Chunk", "Generation", "Stream", "MAX_DRAFT"]
+__all__ = ["GenerateConfig", "Chunk", "Generation", "Stream", "TokenLogprob", "MAX_DRAFT"]
 
 MAX_DRAFT = 63  # patches/0003: batches of up to 64 rows use the kernels of a 1-row decode
 
@@ -27,7 +29,7 @@ MAX_DRAFT = 63  # patches/0003: batches of up to 64 rows use the kernels of a 1-
 class GenerateConfig:
     """Everything that shapes one generation (validated on construction)."""
 
-    max_tokens: int = 256
+    max_tokens: int = 256  # -1: until an end-of-generation token or a full context
     verify: VerifyMethod = "mars"
     theta: float = VerifyConfig.theta
     draft_max: int = 8
@@ -38,10 +40,35 @@ class GenerateConfig:
     max_relaxed: int | None = None
     require_positive_top1: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Controls honoured inside verify windows (row i sees the committed text plus drafts 0..i-1):
+    ignore_eos: bool = False  # end-of-generation tokens masked in the target's rows and the draft's
+    stop: tuple[str, ...] = ()  # stop strings: the output ends just before the first one
+    repeat_penalty: float = 1.0  # llama.cpp's penalties, over the last repeat_last_n tokens
+    repeat_last_n: int = 64  # 0: off, -1: the whole context
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: str | None = None  # GBNF text (see mars_local.grammar for JSON and JSON schemas)
+    logprobs: int = 0  # the target's top-N log probabilities at each emitted token (0: none)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise MarsError(f"the number of tokens to generate must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 1 and self.max_tokens != -1:
+            raise MarsError(
+                f"the number of tokens to generate must be >= 1, or -1 for no limit, got {self.max_tokens}"
+            )
+        if isinstance(self.stop, str) or not all(isinstance(x, str) and x for x in self.stop):
+            raise MarsError("stop must be a sequence of non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not (np.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise MarsError(f"repeat-penalty must be > 0 (1 is off), got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                raise MarsError(f"{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        if self.repeat_last_n < -1:
+            raise MarsError(f"repeat-last-n must be >= -1 (-1: the whole context, 0: off), got {self.repeat_last_n}")
+        if self.grammar is not None and not self.grammar.strip():
+            raise MarsError("the grammar is empty")
+        if not 0 <= self.logprobs <= 20:
+            raise MarsError(f"logprobs must be in 0..20, got {self.logprobs}")
         if not 0 <= self.draft_max <= MAX_DRAFT:
             raise MarsError(
                 f"draft-max must be in 0..{MAX_DRAFT} (verify windows of up to {MAX_DRAFT + 1} rows are "
@@ -59,6 +86,17 @@ class GenerateConfig:
         """The verification rule these settings ask for (``eog_ids``: the target's end-of-generation tokens)."""
         return VerifyConfig(self.verify, self.theta, self.require_positive_top1, self.max_relaxed, tuple(eog_ids))
 
+    @property
+    def unlimited(self) -> bool:
+        return self.max_tokens == -1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
     @classmethod
     def make(cls, **kw) -> "GenerateConfig":
         """Build from flat keyword arguments (sampling fields included)."""
@@ -71,17 +109,45 @@ class GenerateConfig:
         return cls(sampling=replace(base, **s_kw), **kw)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log probability of an emitted token and its top-N alternatives.
+
+    From the target row that produced the token (penalties and grammar applied,
+    before temperature and truncation): no extra forward is run.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log probability), most likely first
+
+    def to_dict(self, piece=None) -> dict:
+        """JSON form; ``piece(token_id) -> str`` adds the text of each token."""
+        d: dict = {"token": self.token, "logprob": self.logprob}
+        top = [{"token": t, "logprob": lp} for t, lp in self.top]
+        if piece is not None:
+            d["text"] = piece(self.token)
+            for e in top:
+                e["text"] = piece(e["token"])
+        d["top"] = top
+        return d
+
+
 @dataclass
 class Chunk:
     """Tokens committed by one round, with how each was produced.
 
     kinds: "draft" (accepted draft token), "relaxed" (accepted only because of
-    MARS) or "target" (the target's correction or bonus token).
+    MARS) or "target" (the target's correction or bonus token).  ``text`` may
+    lag ``tokens``: an incomplete UTF-8 sequence, or text that could be the
+    start of a stop string, is held back until it is decided.
+    ``logprobs``: one entry per token when ``GenerateConfig.logprobs`` > 0.
     """
 
     tokens: list[int]
     text: str
     kinds: list[str]
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -90,9 +156,13 @@ class Generation:
     tokens: list[int]
     kinds: list[str]
     stats: SpecStats
+    logprobs: list[TokenLogprob] | None = None
 
-    def to_dict(self) -> dict:
-        return {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}
+    def to_dict(self, piece=None) -> dict:
+        d = {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            d["logprobs"] = [lp.to_dict(piece) for lp in self.logprobs]
+        return d
 
 
 class Stream(Iterator[Chunk]):

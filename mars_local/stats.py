@@ -38,7 +38,7 @@ class SpecStats:
     time_decode_s        time_total_s - time_prompt_s - time_calibrate_s.
     tokens_per_second    n_generated / time_decode_s.
     verify_share         time_verify_s / time_decode_s.
-    stop_reason          "eog", "length" (max tokens), "context" (full), "interrupted" (the stream
+    stop_reason          "eog", "stop" (a stop string), "length" (max tokens), "context" (full), "interrupted" (the stream
                          was closed early, or Ctrl-C) or "error" (an exception ended it).
     """
 

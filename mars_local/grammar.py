@@ -1,0 +1,142 @@
+"""Grammars for structured output: GBNF text, JSON, JSON schemas.
+
+The engine constrains generation with llama.cpp's own grammar sampler (see
+``runtime.Grammar``); this module only produces GBNF text, with
+llama-cpp-python's JSON grammar and JSON-schema converter (imported lazily, so
+importing this module loads no llama.cpp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .errors import MarsError
+
+__all__ = ["json_grammar", "grammar_from_json_schema", "load_grammar_option", "GrammarState"]
+
+
+def json_grammar() -> str:
+    """GBNF for any JSON value (ollama's ``--format json``; llama.cpp's json.gbnf)."""
+    from llama_cpp.llama_grammar import JSON_GBNF
+
+    return JSON_GBNF
+
+
+def grammar_from_json_schema(schema: str | dict) -> str:
+    """GBNF for the JSON documents that ``schema`` (a JSON Schema, as text or a dict) accepts."""
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    try:
+        text = schema if isinstance(schema, str) else json.dumps(schema)
+        obj = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise MarsError(f"the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise MarsError("a JSON schema must be a JSON object")
+    try:
+        return json_schema_to_gbnf(text)
+    except Exception as exc:  # the converter raises bare exceptions on schemas it does not support
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise MarsError(f"cannot convert the JSON schema to a grammar: {msg}") from None
+
+
+def load_grammar_option(grammar_file: str | Path | None = None, json_schema: str | None = None,
+                        format: str | None = None) -> str | None:
+    """The GBNF text for the CLI's ``--grammar FILE``, ``--json-schema FILE|JSON`` and ``--format json``
+    (at most one of them); None when none is given."""
+    given = [n for n, v in (("--grammar", grammar_file), ("--json-schema", json_schema), ("--format", format))
+             if v is not None]
+    if len(given) > 1:
+        raise MarsError(f"{' and '.join(given)} cannot be combined; give one")
+    if grammar_file is not None:
+        return _read_text(Path(grammar_file), "grammar")
+    if json_schema is not None:
+        text = json_schema
+        if not json_schema.lstrip().startswith("{"):
+            text = _read_text(Path(json_schema), "JSON schema")
+        return grammar_from_json_schema(text)
+    if format is not None:
+        if format != "json":
+            raise MarsError(f"--format must be json, got {format!r}")
+        return json_grammar()
+    return None
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise MarsError(f"{what} file not found: {path}") from None
+    except IsADirectoryError:
+        raise MarsError(f"{what} file is a directory: {path}") from None
+    except UnicodeDecodeError:
+        raise MarsError(f"{what} file is not UTF-8 text: {path}") from None
+    except OSError as exc:
+        raise MarsError(f"cannot read the {what} file {path}: {exc.strerror}") from None
+
+
+class GrammarState:
+    """llama.cpp's grammar sampler (``llama_sampler_init_grammar``) at one point of a generation.
+
+    :meth:`mask` sets the logits of the tokens the grammar forbids next to -inf
+    (in place); :meth:`accept` advances it by one allowed token; :meth:`clone`
+    gives an independent copy (a verify window advances a clone along the
+    draft, so rolling back is dropping the clone).  Accepting a token the
+    grammar forbids, or an end-of-generation token, is a fatal error inside
+    llama.cpp: callers accept only tokens :meth:`mask` left finite.
+    """
+
+    def __init__(self, model, text: str | None = None, root: str = "root", *, _handle=None):
+        import llama_cpp as C
+
+        self._C, self.model = C, model
+        if _handle is None:
+            from .runtime import _last_llama_error, _recent_log
+
+            _recent_log.clear()
+            _handle = C.llama_sampler_init_grammar(model.vocab, text.encode("utf-8"), root.encode("utf-8"))
+            if not _handle:
+                why = _last_llama_error()
+                raise MarsError("invalid GBNF grammar" + (f": {why.strip()}" if why else ""))
+        self._h = _handle
+        n = model.n_vocab
+        self._buf = np.zeros(n, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+        self._buf["id"] = np.arange(n, dtype=np.int32)
+        self._arr = C.llama_token_data_array(
+            self._buf.ctypes.data_as(C.llama_token_data_p), n, -1, False
+        )
+
+    def clone(self) -> "GrammarState":
+        return GrammarState(self.model, _handle=self._C.llama_sampler_clone(self._h))
+
+    def mask(self, row: np.ndarray) -> None:
+        """Forbidden tokens' logits → -inf, in place (the first n_vocab entries of ``row``)."""
+        n = min(len(row), len(self._buf))
+        buf, arr = self._buf, self._arr
+        buf["logit"][:n] = row[:n]
+        buf["logit"][n:] = -np.inf
+        arr.data = buf.ctypes.data_as(self._C.llama_token_data_p)
+        arr.size, arr.selected, arr.sorted = len(buf), -1, False
+        self._C.llama_sampler_apply(self._h, ctypes.byref(arr))
+        if arr.size != len(buf) or ctypes.addressof(arr.data.contents) != buf.ctypes.data:
+            raise MarsError("llama.cpp's grammar sampler reordered the candidates")  # pragma: no cover
+        row[:n] = buf["logit"][:n]
+        row[n:] = -np.inf
+
+    def accept(self, token: int) -> None:
+        self._C.llama_sampler_accept(self._h, int(token))
+
+    def close(self) -> None:
+        if getattr(self, "_h", None):
+            self._C.llama_sampler_free(self._h)
+            self._h = None
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
