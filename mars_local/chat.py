@@ -13,7 +13,7 @@ are dropped (the system prompt stays).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
@@ -29,7 +29,75 @@ HELP = """commands:
   /verify MODE     strict or mars
   /theta X         MARS threshold in (0, 1]
   /system TEXT     set the system prompt (and reset)
-  /quit            leave (Ctrl-D works too; Ctrl-C stops an answer)"""
+  /quit            leave (Ctrl-D works too; Ctrl-C stops an answer)
+a line starting with \"\"\" opens a multi-line message, a line ending with \"\"\" ends it;
+lines pasted together are one message"""
+
+
+BLOCK = '"""'  # a line starting with it opens a multi-line message; one ending with it closes it
+
+
+@dataclass(frozen=True)
+class Message:
+    """What the user typed: ``text``, and whether it is a slash command (one
+    typed line starting with ``/``, not part of a block or a paste)."""
+
+    text: str
+    command: bool = False
+
+
+def read_message(read_line: Callable[[str], str], waiting: Callable[[], bool] = lambda: False,
+                 prompt: str = ">>> ", more: str = "... ") -> Message:
+    """The next message from ``read_line(prompt)`` (which raises EOFError at
+    the end of input, as ``input`` does; ``more`` is the prompt of further lines).
+
+    * A line starting with ``\"\"\"`` opens a multi-line message that runs to
+      the line ending with ``\"\"\"`` (``\"\"\"one line\"\"\"`` is one line);
+      the quotes are dropped, and so is a quote line left empty.
+    * Lines that ``waiting()`` says have already arrived (a paste) join the
+      message of the line before them, as do the lines of a read that
+      returned several at once (a bracketed paste).
+    * The end of input ends the message being read (an open block too); with
+      nothing read, EOFError propagates.  Ctrl-C (KeyboardInterrupt) propagates
+      and drops the message being assembled.
+    """
+    pending: list[str] = []
+    lines: list[str] = []
+    reads = 0
+    in_block = block_seen = False
+    try:
+        while True:
+            if not pending:
+                got = read_line(prompt if reads == 0 else more).split("\n")
+                reads += 1
+                if len(got) > 1 and got[-1] == "":
+                    got.pop()  # a paste ending with a newline
+                pending.extend(got)
+            line = pending.pop(0)
+            if in_block:
+                if line.endswith(BLOCK):
+                    line, in_block = line[: -len(BLOCK)], False
+                    if line:
+                        lines.append(line)
+                else:
+                    lines.append(line)
+            elif line.startswith(BLOCK):
+                line, block_seen = line[len(BLOCK):], True
+                if len(line) >= len(BLOCK) and line.endswith(BLOCK):
+                    line = line[: -len(BLOCK)]  # \"\"\"one line\"\"\"
+                else:
+                    in_block = True
+                if line:
+                    lines.append(line)
+            else:
+                lines.append(line)
+            if not (in_block or pending or waiting()):
+                break
+    except EOFError:
+        if reads == 0:
+            raise
+    command = reads == 1 and len(lines) == 1 and not block_seen and lines[0].startswith("/")
+    return Message("\n".join(lines), command)
 
 
 def short_json(value) -> str:

@@ -23,6 +23,9 @@ llama-cpp-python parse the whole rendered prompt, message text included.)
   tokens (markup and message text joined, the same fragments llama.cpp's
   tokenizer makes) is tokenized with special parsing off.  For benign text
   this gives the same ids as tokenizing the whole prompt.
+* A template that leaves BOS to the tokenizer (``prepend_bos``, llama.cpp's
+  built-ins of :mod:`mars_local.chat_builtin`) gets the model's BOS token in
+  front, once.
 * Fallback: when neither split works (the template's markup depends on the
   text in a way the markers change, e.g. ``endswith('\\n')`` checks), a
   message with special-token text is refused with one line (remove the
@@ -156,7 +159,19 @@ def _split(template: ChatTemplate, messages: Sequence[dict], reference: str,
 
 def tokenize_chat(template: ChatTemplate, model, messages: Sequence[dict], *, force_split: bool = False) -> list[int]:
     """Token ids of ``messages`` rendered with ``template``; control tokens are
-    parsed in the template's markup only (see the module docstring)."""
+    parsed in the template's markup only (see the module docstring).
+
+    A template whose render leaves the BOS token to the tokenizer (its
+    ``prepend_bos``: llama.cpp's built-ins) gets the model's BOS token in
+    front when the vocabulary adds one and the prompt does not already begin
+    with it (never two); a Jinja template places ``bos_token`` itself."""
+    ids = _tokenize_chat(template, model, messages, force_split)
+    if getattr(template, "prepend_bos", False) and model.add_bos and model.bos >= 0 and ids[:1] != [model.bos]:
+        ids.insert(0, model.bos)
+    return ids
+
+
+def _tokenize_chat(template: ChatTemplate, model, messages: Sequence[dict], force_split: bool) -> list[int]:
     reference = template.render(messages)
     special_in = [i for i, m in enumerate(messages) if _has_special_text(model, m["content"])]
     if not special_in and not force_split:

@@ -1,19 +1,22 @@
 """`mars chat`: multi-turn chat in the terminal with the model's own chat template.
 
 The conversation is :class:`mars_local.chat.ChatSession`; this module reads
-lines, runs slash commands and renders the session's events.
+messages (:func:`mars_local.chat.read_message`: a \"\"\" block or a pasted
+block of lines is one message), runs slash commands and renders the
+session's events.
 """
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from typer import echo
 
 from . import cli_common as opt
-from .chat import ChatSession, ContextDropped, Interrupted, Text, TurnDone
+from .chat import ChatSession, ContextDropped, Interrupted, Text, TurnDone, read_message
 from .errors import MarsError
 
 
@@ -32,7 +35,8 @@ def chat(
     eng = gen.engine(choice)
     if not eng.has_chat_template:
         eng.close()
-        raise MarsError(f"{choice.label} has no chat template; use `mars run` instead")
+        raise MarsError(f"{choice.label} has no chat template; give one with --chat-template NAME|FILE "
+                        "or use `mars run` instead")
     session = ChatSession(eng, cfg, system, reserve=n_predict)
     show = opt.chunk_printer(show_acceptance, eng)
     render = _renderer(show, eng.n_ctx)
@@ -49,20 +53,21 @@ def chat(
             reconfigure(errors="surrogateescape")
         except (ValueError, OSError):  # pragma: no cover
             pass
+    waiting = _input_waiting()
     try:
         while True:
             try:
-                line = input(">>> ")
+                msg = read_message(input, waiting)
             except EOFError:
                 echo("")
                 break
-            except KeyboardInterrupt:
+            except KeyboardInterrupt:  # also drops a half-typed """ block
                 echo("")
                 continue
-            line = opt.valid_utf8(line, "this message")
+            line = opt.valid_utf8(msg.text, "this message")
             if not line.strip():
                 continue
-            if line.startswith("/"):
+            if msg.command:
                 reply = session.command(line)
                 if reply is None:
                     break
@@ -79,6 +84,28 @@ def chat(
                 echo("\n(stopped)", err=True)
     finally:
         eng.close()
+
+
+def _input_waiting() -> Callable[[], bool]:
+    """Whether a typed line has already arrived, unread (several lines pasted
+    at once): asked of the terminal on POSIX; never, for piped input (each
+    line its own message) or where select cannot tell."""
+    try:
+        import select
+
+        fd = sys.stdin.fileno()
+        if os.name != "posix" or not os.isatty(fd):
+            return lambda: False
+    except (ImportError, AttributeError, ValueError, OSError):
+        return lambda: False
+
+    def waiting() -> bool:
+        try:
+            return bool(select.select([fd], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
+
+    return waiting
 
 
 def _renderer(show, n_ctx: int):

@@ -81,7 +81,13 @@ class Engine:
         kv_type: str = "f16",
         exact_kernels: bool = True,
         learned: bool | LearnedStore = True,
+        chat_template: str | None = None,
     ):
+        if chat_template is not None:  # a built-in's name or Jinja text (mars_local.chat_builtin)
+            from .chat_builtin import check_chat_template
+
+            check_chat_template(chat_template)  # before any model loads
+        self._chat_template_arg = chat_template
         self.drafter_kind = drafter = _drafter_kind(drafter, draft)
         self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
@@ -137,8 +143,8 @@ class Engine:
 
     @property
     def has_chat_template(self) -> bool:
-        """Whether the target GGUF carries a chat template (:meth:`chat_prompt` needs one)."""
-        return bool(self.target.chat_template())
+        """Whether :meth:`chat_prompt` has a template: the Engine's chat_template, or the GGUF's own."""
+        return self._chat_template_arg is not None or bool(self.target.chat_template())
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
@@ -166,19 +172,13 @@ class Engine:
         return tokenize_chat(self._chat_template(), self.target, list(messages))
 
     def _chat_template(self):
-        from .chat_template import ChatTemplate
+        """The Engine's chat_template (a llama.cpp built-in's name or Jinja
+        text), else the GGUF's own; MarsError when there is none."""
+        from .chat_builtin import make_chat_template
 
-        source = self.target.chat_template()
-        name = Path(self.target.path).name
-        if not source:
-            raise MarsError(f"{name} has no chat template; prompt it without chat formatting")
-        if self._chat_formatter is None or self._chat_formatter.source != source:
-            t = self.target
-            self._chat_formatter = ChatTemplate(
-                source, name,
-                eos_token=t.piece(t.eos, special=True).decode("utf-8", "replace") if t.eos >= 0 else "",
-                bos_token=t.piece(t.bos, special=True).decode("utf-8", "replace") if t.bos >= 0 else "",
-            )
+        if self._chat_formatter is None:
+            self._chat_formatter = make_chat_template(self.target, Path(self.target.path).name,
+                                                      self._chat_template_arg)
         return self._chat_formatter
 
     def _token_ids(self, tokens: Sequence[int]) -> list[int]:
