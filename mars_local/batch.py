@@ -6,12 +6,17 @@ writes the lines.
 
 Input lines: ``{"id": ..., "prompt": "..."}`` or ``{"id": ..., "messages": [...]}``
 (rendered with the model's chat template; roles system, user, assistant or
-tool), optionally with per-line settings (any of ``max_tokens``,
-``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``, ``verify``,
-``theta``, ``draft_max``, ``max_relaxed``).  The input must be UTF-8 text with
-at least one record; an empty or binary input is an error.
-Output lines: ``{"id", "text", "stats"}``, one complete line written and
-flushed per record, so a crash or Ctrl-C loses at most the record in flight.
+tool), optionally with per-line settings (any of ``max_tokens`` (-1: no
+limit), ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+``verify``, ``theta``, ``draft_max``, ``max_relaxed``, and the output
+controls ``stop`` (a string or a list), ``ignore_eos``, ``repeat_penalty``,
+``repeat_last_n``, ``presence_penalty``, ``frequency_penalty``, at most one
+of ``grammar`` (GBNF text), ``json_schema`` (an object or a string) and
+``format`` ("json"), and ``logprobs`` (0..20)).  The input must be UTF-8 text
+with at least one record; an empty or binary input is an error.
+Output lines: ``{"id", "text", "stats"}`` (plus ``"logprobs"`` when a record
+asks for them), one complete line written and flushed per record, so a crash
+or Ctrl-C loses at most the record in flight.
 
 Nothing that mars-local did not write is ever changed:
 
@@ -45,6 +50,7 @@ error, reported as one line; 3 records were skipped (the rest is done).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import math
 import os
@@ -101,10 +107,22 @@ def _is_int_or_null(v) -> bool:
     return v is None or _is_int(v)
 
 
+def _is_bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_stop(v) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+
+def _is_schema(v) -> bool:
+    return isinstance(v, (dict, str))
+
+
 # Each per-line setting: its JSON type and its allowed values in words.  The
 # ranges themselves are GenerateConfig's (with SamplingParams and VerifyConfig).
 SETTINGS = {
-    "max_tokens": (_is_int, "a whole number from 1{top}"),
+    "max_tokens": (_is_int, "a whole number from 1{top}, or -1 (until end of generation or a full context)"),
     "seed": (_is_int, "a whole number (negative = random)"),
     "temperature": (_is_num, "a finite number >= 0"),
     "top_k": (_is_int, "a whole number >= 0 (0 = off)"),
@@ -114,34 +132,82 @@ SETTINGS = {
     "draft_max": (_is_int, "a whole number from 0 to {max_draft}"),
     "max_relaxed": (_is_int_or_null, "a whole number >= 0 or null (no cap)"),
     "verify": (_is_str, "{methods}"),
+    "stop": (_is_stop, "a non-empty string or a list of non-empty strings"),
+    "ignore_eos": (_is_bool, "true or false"),
+    "repeat_penalty": (_is_num, "a number > 0 (1 = off)"),
+    "repeat_last_n": (_is_int, "a whole number >= -1 (-1 = the whole context, 0 = off)"),
+    "presence_penalty": (_is_num, "a finite number (0 = off)"),
+    "frequency_penalty": (_is_num, "a finite number (0 = off)"),
+    "grammar": (_is_str, "GBNF grammar text (a non-empty string)"),
+    "json_schema": (_is_schema, "a JSON Schema (an object, or a string holding one)"),
+    "format": (_is_str, '"json"'),
+    "logprobs": (_is_int, "a whole number from 0 to 20 (0 = none)"),
 }
 LINE_SETTINGS = frozenset(SETTINGS)
+GRAMMAR_KEYS = ("grammar", "json_schema", "format")  # at most one per record; each becomes the config's grammar
 
 
-def _in_range(name: str, v, ctx_size: Optional[int]) -> bool:
+@functools.lru_cache(maxsize=64)
+def _schema_grammar(text: str) -> str:
+    from .grammar import grammar_from_json_schema
+
+    return grammar_from_json_schema(text)
+
+
+def _config_fields(name: str, v) -> dict:
+    """A per-line setting as GenerateConfig fields (MarsError when its value cannot be one)."""
+    if name == "stop":
+        return {"stop": (v,) if isinstance(v, str) else tuple(v)}
+    if name == "json_schema":
+        text = v if isinstance(v, str) else json.dumps(v)  # property order kept: it is the output order
+        return {"grammar": _schema_grammar(text)}
+    if name == "format":
+        if v != "json":
+            raise MarsError("only json is a format")
+        from .grammar import json_grammar
+
+        return {"grammar": json_grammar()}
+    return {name: v}
+
+
+def config_fields(settings: dict) -> dict:
+    """A record's settings as GenerateConfig fields (stop as a tuple, json_schema/format as GBNF)."""
+    out: dict = {}
+    for name, v in settings.items():
+        out.update(_config_fields(name, v))
+    return out
+
+
+def _in_range(name: str, v, ctx_size: Optional[int]) -> Optional[str]:
+    """None when ``v`` is allowed, else why not (empty: the field's description says it)."""
     from .generation import GenerateConfig
 
     if name == "seed":  # any integer is a seed; numpy takes these
-        return -(2**63) <= v < 2**64
+        return None if -(2**63) <= v < 2**64 else ""
     if name == "max_tokens" and ctx_size and v > ctx_size:
-        return False
+        return ""
     try:
-        GenerateConfig.make(**{name: v})
-    except MarsError:
-        return False
-    return True
+        GenerateConfig.make(**_config_fields(name, v))
+    except MarsError as exc:
+        # the converters say what is wrong with a schema; a plain range needs only the description
+        return str(exc) if name == "json_schema" else ""
+    return None
 
 
 def check_settings(settings: dict, ctx_size: Optional[int] = None) -> None:
     """Each per-line setting's type and range; MarsError naming the field."""
     from .generation import MAX_DRAFT
 
+    given = [k for k in GRAMMAR_KEYS if k in settings]
+    if len(given) > 1:
+        raise MarsError(f"give at most one of {', '.join(repr(k) for k in GRAMMAR_KEYS)}, got {' and '.join(given)}")
     for name, v in sorted(settings.items()):
         is_type, what = SETTINGS[name]
-        if not (is_type(v) and _in_range(name, v, ctx_size)):
+        why = _in_range(name, v, ctx_size) if is_type(v) else ""
+        if why is not None:
             what = what.format(top=f" to {ctx_size} (the context size, -c)" if ctx_size else " or more",
                                max_draft=MAX_DRAFT, methods=" or ".join(VERIFY_METHODS))
-            raise MarsError(f"'{name}' must be {what}, got {_show(v)}")
+            raise MarsError(f"'{name}' must be {what}, got {_show(v)}" + (f" ({why})" if why else ""))
 
 
 def _check_record(obj: dict, ctx_size: Optional[int]) -> Record:
@@ -395,8 +461,9 @@ def config_for(base, settings: dict, line_no: int):
     MarsError naming the line when the two do not combine."""
     if not settings:
         return base
-    s_kw = {k: v for k, v in settings.items() if k in SAMPLING_KEYS}
-    g_kw = {k: v for k, v in settings.items() if k not in SAMPLING_KEYS}
+    fields_ = config_fields(settings)
+    s_kw = {k: v for k, v in fields_.items() if k in SAMPLING_KEYS}
+    g_kw = {k: v for k, v in fields_.items() if k not in SAMPLING_KEYS}
     try:
         return replace(base, sampling=replace(base.sampling, **s_kw), **g_kw)
     except MarsError as exc:  # a combination with the command-line flags, e.g. --draft-min above draft_max
@@ -421,10 +488,19 @@ class Outcome:
     error: Optional[str] = None
 
 
-def output_line(rec: Record, generation) -> str:
-    """A record's output line: ``{"id", "text", "stats"}`` (it starts with RECORD_PREFIX)."""
-    return json.dumps({"id": rec.id, "text": generation.text, "stats": generation.stats.to_dict()},
-                      ensure_ascii=False)
+def output_line(rec: Record, generation, piece=None) -> str:
+    """A record's output line: ``{"id", "text", "stats"}`` (it starts with RECORD_PREFIX), with
+    ``"logprobs"`` when the record asked for them (``piece(token) -> str`` names each token's text)."""
+    obj = {"id": rec.id, "text": generation.text, "stats": generation.stats.to_dict()}
+    lps = getattr(generation, "logprobs", None)
+    if lps is not None:
+        obj["logprobs"] = [lp.to_dict(piece) for lp in lps]
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def token_text(engine):
+    """``piece(token) -> str`` of an engine: the token's text (bytes that are not UTF-8 replaced)."""
+    return lambda t: engine.piece(t).decode("utf-8", "replace")
 
 
 def run_batch(engine, records: Iterable[Record], done: Iterable = ()) -> Iterator[Outcome]:
@@ -442,4 +518,4 @@ def run_batch(engine, records: Iterable[Record], done: Iterable = ()) -> Iterato
         except MarsError as exc:
             yield Outcome(rec, error=str(exc))
             continue
-        yield Outcome(rec, output_line(rec, result), result.stats)
+        yield Outcome(rec, output_line(rec, result, token_text(engine)), result.stats)

@@ -110,7 +110,7 @@ def _root(
 
 
 # ------------------------------------------------------------------ run
-def read_prompt(prompt: Optional[str]) -> str:
+def read_prompt(prompt: Optional[str], what: str = "PROMPT") -> str:
     """PROMPT, or standard input when PROMPT is '-' or absent and stdin is not a tty.
 
     Bytes that are not UTF-8 (on stdin, or in PROMPT as Python's lone surrogates)
@@ -118,22 +118,63 @@ def read_prompt(prompt: Optional[str]) -> str:
     """
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
-            raise MarsError("no prompt given (pass PROMPT, or '-' with text on standard input)")
+            raise MarsError("no prompt given (pass PROMPT, -p TEXT, -f FILE, or '-' with text on standard input)")
         buf = getattr(sys.stdin, "buffer", None)
         if buf is not None:
             prompt = opt.decode_utf8(buf.read(), "standard input")
         else:
             prompt = opt.valid_utf8(sys.stdin.read(), "standard input")
     else:
-        prompt = opt.valid_utf8(prompt, "PROMPT")
+        prompt = opt.valid_utf8(prompt, what)
     if not prompt.strip():
         raise MarsError("the prompt is empty")
     return prompt
 
 
+PROMPT_OPTION = typer.Option(None, "-p", "--prompt", metavar="TEXT", help="The prompt (as llama.cpp's -p).")
+FILE_OPTION = typer.Option(None, "-f", "--file", metavar="FILE", help="Read the prompt from a UTF-8 text file.")
+LOGPROBS_OPTION = typer.Option(
+    0, "--logprobs", metavar="N",
+    help="With --json: each generated token's log probability and the target's top N (0..20) alternatives.",
+)
+
+
+def check_prompt_sources(positional: Optional[str], prompt_opt: Optional[str], file: Optional[str]) -> None:
+    """At most one of PROMPT, -p/--prompt and -f/--file."""
+    given = [n for n, v in (("PROMPT", positional), (opt.typed_flag(PROMPT_OPTION.param_decls), prompt_opt),
+                            (opt.typed_flag(FILE_OPTION.param_decls), file)) if v is not None]
+    if len(given) > 1:
+        raise MarsError(f"give the prompt once: {' and '.join(given)} were both given")
+
+
+def prompt_source(positional: Optional[str], prompt_opt: Optional[str], file: Optional[str]) -> str:
+    """The prompt text from exactly one of PROMPT, -p/--prompt and -f/--file (or standard input)."""
+    check_prompt_sources(positional, prompt_opt, file)
+    if file is not None:
+        if file == "-":
+            return read_prompt(None)
+        text = opt.read_text_file(file, "prompt")
+        if not text.strip():
+            raise MarsError(f"the prompt file {file} is empty")
+        return text
+    if prompt_opt is not None:
+        return read_prompt(prompt_opt, opt.typed_flag(PROMPT_OPTION.param_decls)) if prompt_opt != "-" else \
+            read_prompt(None)
+    return read_prompt(positional)
+
+
+def check_logprobs(n: int, as_json: bool) -> None:
+    if not 0 <= n <= 20:
+        raise MarsError(f"--logprobs must be in 0..20, got {n}")
+    if n and not as_json:
+        raise MarsError("--logprobs needs --json (the log probabilities are written into the JSON object)")
+
+
 @opt.generation_options
 def run(
     prompt: Optional[str] = typer.Argument(None, help="The prompt; '-' or omitted reads standard input."),
+    prompt_opt: Optional[str] = PROMPT_OPTION,
+    file: Optional[str] = FILE_OPTION,
     n_predict: int = opt.N_PREDICT,
     chat: bool = typer.Option(False, "--chat", help="Wrap PROMPT in the model's chat template as a user turn."),
     system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt (implies --chat)."),
@@ -142,6 +183,7 @@ def run(
         help="Colour each token: green = accepted draft, yellow = accepted only by MARS, plain = target.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {text, tokens, stats} and nothing else."),
+    logprobs: int = LOGPROBS_OPTION,
     stats: bool = typer.Option(False, "--stats", "-v", help="Print a timing and acceptance summary to stderr."),
     gen: opt.GenOptions = None,
 ) -> None:
@@ -150,9 +192,12 @@ def run(
     Ctrl-C ends the line, prints the partial statistics with --stats and exits 130;
     a closed pipe (`| head`) ends quietly with exit 0.
     """
+    opt.check_n_predict(n_predict)
+    check_logprobs(logprobs, as_json)
+    check_prompt_sources(prompt, prompt_opt, file)
     choice = gen.choice()  # flags are checked before standard input is read or a model loads
-    cfg = gen.config(choice, n_predict)
-    text = read_prompt(prompt)
+    cfg = gen.config(choice, n_predict, **({"logprobs": logprobs} if logprobs else {}))
+    text = prompt_source(prompt, prompt_opt, file)
     if system is not None:
         system = opt.valid_utf8(system, "--system")
     eng = gen.engine(choice)
@@ -162,7 +207,7 @@ def run(
             prompt_in = eng.chat_prompt(messages)
         else:
             prompt_in = text
-        text_parts, tokens = [], []
+        text_parts, tokens, lps = [], [], []
         show = None if as_json else opt.chunk_printer(show_acceptance, eng)
         stream = eng.stream(prompt_in, cfg)
         try:
@@ -170,6 +215,7 @@ def run(
                 for chunk in stream:
                     text_parts.append(chunk.text)
                     tokens.extend(chunk.tokens)
+                    lps.extend(chunk.logprobs or ())
                     if show is not None:
                         show(chunk)
             finally:  # any way out (Ctrl-C, a closed pipe): the statistics are final
@@ -186,7 +232,10 @@ def run(
             raise typer.Exit(130) from None
         s = stream.stats
         if as_json:
-            echo(json.dumps({"text": "".join(text_parts), "tokens": tokens, "stats": s.to_dict()}, ensure_ascii=False))
+            obj = {"text": "".join(text_parts), "tokens": tokens, "stats": s.to_dict()}
+            if logprobs:
+                obj["logprobs"] = [lp.to_dict(lambda t: eng.piece(t).decode("utf-8", "replace")) for lp in lps]
+            echo(json.dumps(obj, ensure_ascii=False))
         else:
             sys.stdout.write("\n")
             sys.stdout.flush()

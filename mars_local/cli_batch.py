@@ -40,11 +40,18 @@ def batch(
 ) -> None:
     """Generate for every line of INPUT, appending {id, text, stats} lines to OUTPUT.
 
+    The flags are every record's defaults; a record may set max_tokens, temperature,
+    top_k, top_p, min_p, seed, verify, theta, draft_max, max_relaxed, stop,
+    ignore_eos, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty,
+    grammar (GBNF text), json_schema, format ("json") and logprobs (0..20; the
+    output record then has "logprobs").
+
     Rerunning with the same OUTPUT resumes: ids already there are skipped. Every
     id must be unique: a duplicate id is refused before anything is generated.
     A record with a bad field is skipped with a warning naming the line and the
     field, and the exit status is then 3 (--strict: an error instead).
     """
+    opt.check_n_predict(n_predict)
     choice = gen.choice()
     base = gen.config(choice, n_predict)
     name, lines = B.read_input(input)

@@ -102,6 +102,11 @@ def bench(
     llama_cpp_bin: Optional[Path] = typer.Option(
         None, "--llama-cpp-bin", help="Folder with llama.cpp's llama-speculative-simple and llama-completion."
     ),
+    format_json: bool = typer.Option(
+        False, "--format-json",
+        help="Also run plain decoding and one MARS configuration per drafter (θ 0.9 or the first θ, adaptive k) "
+        "constrained by the JSON grammar (as --format json): the grammar's cost in tokens/s and τ.",
+    ),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON to this file."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of speedup and quality vs θ."),
 ) -> None:
@@ -134,7 +139,7 @@ def bench(
         temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_ctx=ctx_size,
         n_gpu_layers=opt.gpu_layers(ngl, "-ngl"), n_gpu_layers_draft=opt.gpu_layers(ngld, "-ngld"), n_threads=threads,
         peers=peers, llama_cpp_bin=llama_cpp_bin, label=label,
-        peer_ks=parse_ks(peer_k, "--peer-k") if peer_k is not None else None,
+        peer_ks=parse_ks(peer_k, "--peer-k") if peer_k is not None else None, format_json=format_json,
     )
     settings.validate()
     if temp > 0 and seed < 0:

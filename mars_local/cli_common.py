@@ -2,7 +2,10 @@
 an :class:`~mars_local.engine.Engine` and a :class:`~mars_local.engine.GenerateConfig`.
 
 Flag names follow llama.cpp (`-m`, `-md`, `-ngl`, `-ngld`, `-c`, `-n`, `--temp`,
-`-s`, `-t`, `--draft-max/--draft-min/--draft-p-min`), with the newer
+`-s`, `-t`, `--draft-max/--draft-min/--draft-p-min`, `--ignore-eos`,
+`-r/--reverse-prompt`, `--repeat-penalty`, `--repeat-last-n`,
+`--presence-penalty`, `--frequency-penalty`, `--grammar`, `-j/--json-schema`,
+`--chat-template`; ollama's `--format json`), with the newer
 `--spec-draft-*` spellings and mlx-lm's `--draft-model/--num-draft-tokens` as
 aliases.
 """
@@ -15,7 +18,8 @@ import os
 import sys
 import typing
 from dataclasses import dataclass, fields
-from typing import Optional
+from pathlib import Path
+from typing import List, Optional
 
 import typer
 from typer import echo
@@ -64,7 +68,10 @@ ADAPTIVE = typer.Option(
     help="Choose the draft length per round from measured costs and acceptance (k = 0 included); "
     "--no-adaptive drafts --draft-max tokens every round.",
 )
-N_PREDICT = typer.Option(_D.max_tokens, "-n", "--n-predict", "--predict", help="Maximum tokens to generate.")
+N_PREDICT = typer.Option(
+    _D.max_tokens, "-n", "--n-predict", "--predict",
+    help="Maximum tokens to generate; -1 = until an end-of-generation token or a full context.",
+)
 TEMP = typer.Option(_D.sampling.temperature, "--temp", "--temperature", help="Temperature; 0 = greedy.")
 TOP_K = typer.Option(_D.sampling.top_k, "--top-k", help="Top-k truncation (0 = off).")
 TOP_P = typer.Option(_D.sampling.top_p, "--top-p", help="Top-p truncation (1 = off).")
@@ -81,6 +88,36 @@ NGLD = typer.Option(
     None, "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl", help="Draft GPU layers."
 )
 THREADS = typer.Option(None, "-t", "--threads", help=f"CPU threads, 1..{MAX_THREADS} (default: physical cores).")
+IGNORE_EOS = typer.Option(
+    _D.ignore_eos, "--ignore-eos", help="Never stop at an end-of-generation token (it is masked out)."
+)
+STOP = typer.Option(
+    None, "-r", "--reverse-prompt", "--stop", metavar="STRING",
+    help="Stop before this text (repeatable); it is not printed.",
+)
+REPEAT_PENALTY = typer.Option(
+    _D.repeat_penalty, "--repeat-penalty", help="Penalize repeated tokens (1.0 = off), as llama.cpp."
+)
+REPEAT_LAST_N = typer.Option(
+    _D.repeat_last_n, "--repeat-last-n", help="Tokens the penalties look back over (0 = off, -1 = the whole context)."
+)
+PRESENCE_PENALTY = typer.Option(_D.presence_penalty, "--presence-penalty", help="Presence penalty (0.0 = off).")
+FREQUENCY_PENALTY = typer.Option(_D.frequency_penalty, "--frequency-penalty", help="Frequency penalty (0.0 = off).")
+GRAMMAR = typer.Option(
+    None, "--grammar", "--grammar-file", metavar="FILE", help="Constrain the output to a GBNF grammar file."
+)
+JSON_SCHEMA = typer.Option(
+    None, "--json-schema", "-j", metavar="FILE|JSON",
+    help="Constrain the output to JSON matching this JSON Schema (inline JSON or a file).",
+)
+FORMAT = typer.Option(
+    None, "--format", metavar="json", help="json: constrain the output to any JSON value (as ollama)."
+)
+CHAT_TEMPLATE = typer.Option(
+    None, "--chat-template", "--chat-template-file", metavar="NAME|FILE",
+    help="Chat template: a llama.cpp built-in name (chatml, gemma, llama3, ...), a Jinja file, or Jinja text "
+    "(default: the model's own).",
+)
 FAST_KERNELS = typer.Option(
     False, "--fast-kernels",
     help="Allow llama.cpp's repacked weight kernels for the target (~10%% faster on K-quants on CPU); "
@@ -110,11 +147,13 @@ def open_engine(
     ngld: Optional[str],
     threads: Optional[int],
     fast_kernels: bool,
+    chat_template: Optional[str] = None,
 ):
     from .engine import Engine
 
     check_threads(threads)
     check_ctx_size(ctx_size)
+    extra = {"chat_template": chat_template} if chat_template is not None else {}
     return Engine(
         choice.target,
         choice.draft,
@@ -124,13 +163,18 @@ def open_engine(
         n_gpu_layers_draft=gpu_layers(ngld, flag_as_typed("ngld")),
         n_threads=threads,
         exact_kernels=not fast_kernels,
+        **extra,
     )
 
 
 def flag_as_typed(name: str) -> str:
     """The spelling of a shared option the user typed (`--num-draft-tokens`, `-c`),
     or its first spelling; an error message then names the flag the user knows."""
-    decls = _OPTION_INFO[name].param_decls
+    return typed_flag(_OPTION_INFO[name].param_decls)
+
+
+def typed_flag(decls) -> str:
+    """Which of an option's spellings ``decls`` the user typed (the last one given), or the first."""
     for tok in reversed(ARGV):
         if tok == "--":
             continue
@@ -138,6 +182,84 @@ def flag_as_typed(name: str) -> str:
         if head in decls:
             return head
     return decls[0]
+
+
+def check_n_predict(n: int, option=None) -> None:
+    """-n: a number of tokens >= 1, or -1 (until end of generation or a full context)."""
+    if n < 1 and n != -1:
+        flag = typed_flag((option or N_PREDICT).param_decls)
+        raise MarsError(f"{flag}: the number of tokens to generate must be >= 1, or -1 (until an "
+                        f"end-of-generation token or a full context), got {n}")
+
+
+def read_text_file(path: str, what: str, replace: bool = True) -> str:
+    """A UTF-8 text file given on the command line (invalid bytes replaced with one
+    warning, as standard input; ``replace=False``: refused); MarsError (one line)
+    when it cannot be read."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise MarsError(f"{what} file not found: {path}") from None
+    except IsADirectoryError:
+        raise MarsError(f"{what} file {path} is a directory") from None
+    except OSError as exc:
+        raise MarsError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
+    if b"\x00" in raw:
+        raise MarsError(f"{what} file {path} is binary, not text (it holds a NUL byte)")
+    if not replace:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw.count(b"\n", 0, exc.start) + 1
+            raise MarsError(
+                f"{what} file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line})"
+            ) from None
+    return decode_utf8(raw, f"{what} file {path}")
+
+
+_TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".tmpl", ".txt")
+
+
+def chat_template_option(value: Optional[str]) -> Optional[str]:
+    """--chat-template: Jinja text as given, an existing file's text, or a built-in
+    template name (the Engine checks names); a value that looks like a path but
+    is no file is an error here."""
+    if value is None:
+        return None
+    value = valid_utf8(value, "--chat-template")
+    if not value.strip():
+        raise MarsError("--chat-template is empty; give a template name (e.g. chatml) or a Jinja file")
+    if "{%" in value or "{{" in value:
+        return value  # Jinja source text
+    p = Path(value)
+    if p.exists():
+        text = read_text_file(value, "chat template", replace=False)
+        if not text.strip():
+            raise MarsError(f"chat template file {value} is empty")
+        return text
+    if os.sep in value or "/" in value or value.lower().endswith(_TEMPLATE_SUFFIXES):
+        raise MarsError(f"chat template file not found: {value}")
+    return value
+
+
+def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Optional[str]) -> Optional[str]:
+    """GBNF text for --grammar FILE (or GBNF text itself, as llama.cpp's --grammar),
+    --json-schema FILE|JSON or --format json; at most one of them."""
+    from .grammar import load_grammar_option
+
+    if grammar is not None and "::=" in grammar and not Path(grammar).exists():
+        others = [n for n, v in (("--json-schema", json_schema), ("--format", fmt)) if v is not None]
+        if others:
+            raise MarsError(f"--grammar and {' and '.join(others)} cannot be combined; give one")
+        return grammar  # inline GBNF, as llama.cpp's --grammar takes it
+    if grammar is not None and not grammar.strip():
+        raise MarsError("--grammar is empty; give a GBNF file")
+    if json_schema is not None and not json_schema.strip():
+        raise MarsError("--json-schema is empty; give a JSON Schema (inline JSON or a file)")
+    text = load_grammar_option(grammar, json_schema, fmt)
+    if text is not None and not text.strip():
+        raise MarsError(f"the grammar file {grammar} is empty")
+    return text
 
 
 KIND_STYLE = {"draft": "green", "relaxed": "bold yellow", "target": ""}
@@ -158,9 +280,15 @@ def chunk_printer(show_acceptance: bool, eng):
     console = Console(highlight=False, soft_wrap=True)
 
     def coloured(chunk):
+        pieces = [eng.piece(tok).decode("utf-8", "replace") for tok in chunk.tokens]
         line = Text()
-        for tok, kind in zip(chunk.tokens, chunk.kinds):
-            line.append(eng.piece(tok).decode("utf-8", "replace"), style=KIND_STYLE.get(kind, ""))
+        if "".join(pieces) != chunk.text:
+            # text held back (a character split across tokens) or cut at a stop string:
+            # the chunk's text is what is shown, uncoloured
+            line.append(chunk.text)
+        else:
+            for piece, kind in zip(pieces, chunk.kinds):
+                line.append(piece, style=KIND_STYLE.get(kind, ""))
         console.print(line, end="")
 
     return coloured
@@ -286,6 +414,16 @@ class GenOptions:
     ngld: Optional[str]
     threads: Optional[int]
     fast_kernels: bool
+    ignore_eos: bool
+    stop: Optional[List[str]]
+    repeat_penalty: float
+    repeat_last_n: int
+    presence_penalty: float
+    frequency_penalty: float
+    grammar: Optional[str]
+    json_schema: Optional[str]
+    format: Optional[str]
+    chat_template: Optional[str]
 
     explicit = frozenset()  # the options given on the command line (set by generation_options)
 
@@ -299,22 +437,67 @@ class GenOptions:
         gpu_layers(self.ngld, flag_as_typed("ngld"))
         if self.draft_max is not None and not 0 <= self.draft_max <= MAX_DRAFT:
             raise MarsError(f"{flag_as_typed('draft_max')} must be in 0..{MAX_DRAFT}, got {self.draft_max}")
+        self.check_controls()
+        self.template()  # read a template file now, before any model loads
+
+    def check_controls(self) -> None:
+        """The output controls' ranges, naming the flag as typed (GenerateConfig has the same rules)."""
+        import math
+
+        for s in self.stop or ():
+            if not s:
+                raise MarsError(f"{flag_as_typed('stop')} needs a non-empty string")
+        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise MarsError(f"{flag_as_typed('repeat_penalty')} must be > 0 (1.0 = off), got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise MarsError(
+                f"{flag_as_typed('repeat_last_n')} must be >= -1 (-1 = the whole context, 0 = off), "
+                f"got {self.repeat_last_n}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v):
+                raise MarsError(f"{flag_as_typed(name)} must be a finite number (0.0 = off), got {v}")
+
+    def stops(self) -> Optional[tuple]:
+        """The stop strings (None when none were given), made valid Unicode."""
+        if not self.stop:
+            return None
+        return tuple(valid_utf8(s, flag_as_typed("stop")) for s in self.stop)
+
+    def template(self) -> Optional[str]:
+        """--chat-template resolved (read once): Jinja text, or a name, or None."""
+        if not hasattr(self, "_template"):
+            self._template = chat_template_option(self.chat_template)
+        return self._template
+
+    def grammar_text(self) -> Optional[str]:
+        """The GBNF of --grammar/--json-schema/--format (read and converted once), or None."""
+        if not hasattr(self, "_grammar"):
+            self._grammar = grammar_option(self.grammar, self.json_schema, self.format)
+        return self._grammar
 
     def choice(self) -> ModelChoice:
         self.check()
         return choose_models(self.model, self.model_draft, self.drafter, self.no_draft)
 
-    def config(self, choice: ModelChoice, max_tokens: int):
+    def config(self, choice: ModelChoice, max_tokens: int, **more):
+        """The GenerateConfig of these flags (``more``: a command's own fields, e.g. logprobs)."""
+        self.check_controls()
         return make_config(
             choice, theta=self.theta, draft_max=self.draft_max, max_tokens=max_tokens, verify=self.verify,
             max_relaxed=self.max_relaxed, draft_min=self.draft_min, draft_p_min=self.draft_p_min,
             draft_sampling=self.draft_sampling, adaptive=self.adaptive, temperature=self.temp, top_k=self.top_k,
-            top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+            top_p=self.top_p, min_p=self.min_p, seed=self.seed, ignore_eos=self.ignore_eos, stop=self.stops(),
+            repeat_penalty=self.repeat_penalty, repeat_last_n=self.repeat_last_n,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            grammar=self.grammar_text(), **more,
         )
 
     def engine(self, choice: ModelChoice):
         """The Engine, then one warning line per questionable setting (as llama.cpp does)."""
-        eng = open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels)
+        eng = open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels,
+                          self.template())
         cores = os.cpu_count()
         if self.threads is not None and cores and self.threads > cores:
             warn(f"{flag_as_typed('threads')} {self.threads} is more than the {cores} CPU cores here; "
@@ -345,7 +528,10 @@ _OPTION_INFO = {
     "theta": THETA, "max_relaxed": MAX_RELAXED, "draft_max": DRAFT_MAX, "draft_min": DRAFT_MIN,
     "draft_p_min": DRAFT_P_MIN, "draft_sampling": DRAFT_SAMPLING, "adaptive": ADAPTIVE, "temp": TEMP,
     "top_k": TOP_K, "top_p": TOP_P, "min_p": MIN_P, "seed": SEED, "ctx_size": CTX_SIZE, "ngl": NGL, "ngld": NGLD,
-    "threads": THREADS, "fast_kernels": FAST_KERNELS,
+    "threads": THREADS, "fast_kernels": FAST_KERNELS, "ignore_eos": IGNORE_EOS, "stop": STOP,
+    "repeat_penalty": REPEAT_PENALTY, "repeat_last_n": REPEAT_LAST_N, "presence_penalty": PRESENCE_PENALTY,
+    "frequency_penalty": FREQUENCY_PENALTY, "grammar": GRAMMAR, "json_schema": JSON_SCHEMA, "format": FORMAT,
+    "chat_template": CHAT_TEMPLATE,
 }
 
 

@@ -4,10 +4,15 @@ It implements :class:`mars_local.protocol.EngineLike`.  Tokens are bytes: a
 text prompt is its UTF-8 bytes, a chat prompt is ``<role>content`` per message
 (so its length is known), and the answer is ``reply`` (with ``{prompt}``
 replaced by the prompt text), ``chunk`` tokens per chunk, their kinds cycling
-through ``kinds``.  It records every call, stops like the real engine
-("eog" at the end of the reply, "length" at max_tokens, "context" when the
-context is full) and can be told to raise Ctrl-C after some chunks or a
-MarsError for some prompts.
+through ``kinds``.  It records every call (``calls``: prompt text and
+GenerateConfig; ``configs``: the configs alone), stops like the real engine
+("eog" at the end of the reply, "length" at max_tokens (-1: no limit),
+"context" when the context is full, "stop" before the first stop string, whose
+text is not shown), repeats the reply with ``ignore_eos``, gives made-up
+log probabilities (token t: -t/1000, its top alternatives t, t+1, ...) with
+``logprobs``, and can be told to raise Ctrl-C after some chunks or a
+MarsError for some prompts.  The fixture records the Engine's keyword
+arguments in ``opened`` (``chat_template`` among them).
 
 The ``fake_engine`` fixture below puts it where the CLI opens its Engine
 (import the fixture into a test module to use it).
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from mars_local import Chunk, Generation
+from mars_local.generation import TokenLogprob
 from mars_local.chat import check_messages
 from mars_local.errors import MarsError
 from mars_local.stats import SpecStats
@@ -86,6 +92,15 @@ class FakeEngine:
         check_messages(list(messages))
         return self.tokenize("".join(f"<{m['role']}>{m['content']}" for m in messages))
 
+    @property
+    def configs(self) -> list:
+        """The GenerateConfig of every stream, in order."""
+        return [c for _, c in self.calls]
+
+    @staticmethod
+    def logprob(token: int, n_top: int) -> TokenLogprob:
+        return TokenLogprob(token, -token / 1000, tuple((token + j, -(token + j) / 1000) for j in range(n_top)))
+
     # ---------------------------------------------------------- generation
     def stream(self, prompt, config) -> FakeStream:
         toks = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -101,8 +116,18 @@ class FakeEngine:
 
     def _chunks(self, toks, answer, config, stats):
         room = self.n_ctx - len(toks)
-        n = min(len(answer), config.max_tokens, room)
-        stop = "eog" if n == len(answer) else "length" if n == config.max_tokens else "context"
+        limit = room if config.max_tokens == -1 else min(config.max_tokens, room)
+        if config.ignore_eos and answer:  # no end of generation: the reply again and again
+            answer = (answer * (limit // len(answer) + 1))[:limit]
+        n = min(len(answer), limit)
+        stop = ("eog" if n == len(answer) and not config.ignore_eos
+                else "length" if n == config.max_tokens else "context")
+        shown = n  # tokens whose text is shown
+        hits = [(bytes(answer[:n]).find(s.encode("utf-8")), s) for s in config.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:  # the tokens up to the one that completes the first stop string; its text is not shown
+            i, s = min(hits, key=lambda h: h[0] + len(h[1].encode("utf-8")))
+            n, shown, stop = i + len(s.encode("utf-8")), i, "stop"
         sent = 0
         try:
             for i in range(0, n, self.chunk):
@@ -115,19 +140,22 @@ class FakeEngine:
                 sent += len(new)
                 if sent == n:
                     stats.stop_reason = stop
-                yield Chunk(new, self.detokenize(new), kinds)
+                text = self.detokenize(answer[i:min(i + self.chunk, shown)]) if i < shown else ""
+                lps = [self.logprob(t, config.logprobs) for t in new] if config.logprobs else None
+                yield Chunk(new, text, kinds, lps)
         except (GeneratorExit, KeyboardInterrupt):
             stats.stop_reason = stats.stop_reason or "interrupted"
             raise
 
     def generate(self, prompt, config) -> Generation:
-        text, toks, kinds = [], [], []
+        text, toks, kinds, lps = [], [], [], []
         with self.stream(prompt, config) as s:
             for c in s:
                 text.append(c.text)
                 toks += c.tokens
                 kinds += c.kinds
-        return Generation("".join(text), toks, kinds, s.stats)
+                lps += c.logprobs or []
+        return Generation("".join(text), toks, kinds, s.stats, lps if config.logprobs else None)
 
     def close(self) -> None:
         self.closed = True

@@ -352,6 +352,7 @@ def test_cli_quick_json_contract(tiny_target, tiny_draft, tmp_path):
     assert {row["theta"] for row in rows if row["method"] == "mars"} == {0.9}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert data["meta"]["max_tokens"] == 16 and data["meta"]["n_prompts"] == 6
+    assert "format_json" not in data["meta"] and not any("grammar" in row for row in rows)  # without --format-json
 
 
 FAKE = r'''#!{python}
@@ -608,3 +609,86 @@ def test_the_cli_does_not_import_the_bench_extra():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'rouge_score', 'sacrebleu', 'matplotlib'}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+# ------------------------------------------------------------ --format-json (the JSON grammar's cost)
+def test_format_json_adds_plain_and_one_mars_row_per_drafter(tiny_target, tiny_draft):
+    base = dict(target=tiny_target, draft=tiny_draft, drafters=("ngram", "model"), thetas=(0.85, 0.9, 0.95),
+                draft_max=4, peers=False)
+    without = B.plan_runs(B.BenchSettings(**base))
+    assert all(r.grammar is None and "+json" not in r.label for r in without)
+    runs = B.plan_runs(B.BenchSettings(**base, format_json=True))
+    assert [r for r in runs if r.grammar is None] == without  # the other rows unchanged, in their order
+    assert [r.label for r in runs if r.grammar] == [
+        "plain +json", "mars ngram θ=0.9 k=adaptive +json", "mars model θ=0.9 k=adaptive +json"]
+    assert runs[0] == B.RunConfig("plain", "none", None, 0) and runs[1].label == "plain +json"
+    # each +json row follows its drafter's block
+    assert runs.index(B.RunConfig("mars", "ngram", 0.9, "adaptive", "json")) < runs.index(
+        B.RunConfig("strict", "model", None, 4))
+
+
+def test_format_json_row_theta_and_k(tiny_target):
+    s = B.BenchSettings(target=tiny_target, thetas=(0.8, 0.95), draft_max=3, fixed_ks=(1, 3), peers=False,
+                        format_json=True)
+    assert [r.label for r in B.plan_runs(s) if r.grammar] == ["plain +json", "mars ngram θ=0.8 k=adaptive +json"]
+    s = B.BenchSettings(target=tiny_target, thetas=(0.9,), draft_max=3, fixed_ks=(1, 2), temperature=0.7, seed=1,
+                        peers=False, format_json=True)  # sampling: no adaptive MARS, so the largest fixed k
+    assert [r.label for r in B.plan_runs(s) if r.grammar] == ["plain +json", "mars ngram θ=0.9 k=2 +json"]
+
+
+def test_summarize_and_tables_with_json_rows():
+    prompts = [B.BenchPrompt("c1", "chat", text="q")]
+    plain, pj = B.RunConfig("plain", "none", None, 0), B.RunConfig("plain", "none", None, 0, "json")
+    fixed = B.RunConfig("mars", "ngram", 0.9, 4)
+    ad, adj = B.RunConfig("mars", "ngram", 0.9, "adaptive"), B.RunConfig("mars", "ngram", 0.9, "adaptive", "json")
+    samples = {plain: [_s([1] * 8, 1.0, n_rounds=8)], pj: [_s([2] * 8, 2.0, n_rounds=8)],
+               fixed: [_s([1] * 8, 0.5, n_rounds=4)], ad: [_s([1] * 8, 0.25, n_rounds=2)],
+               adj: [_s([2] * 8, 1.0, n_rounds=4)]}
+    runs = [plain, pj, fixed, ad, adj]
+    rows = {B.row_label(r): r for r in B.summarize(prompts, runs, samples) if r["category"] == "all"}
+    assert list(rows) == [r.label for r in runs]
+    assert "grammar" not in rows["plain"] and "grammar" not in rows["mars ngram θ=0.9 k=adaptive"]
+    j = rows["mars ngram θ=0.9 k=adaptive +json"]
+    assert j["grammar"] == "json" and j["mean_accepted_length"] == 2.0 and j["tokens_per_second"] == 8.0
+    assert j["speedup_vs_plain"] == 1.0  # 8 tok/s over unconstrained plain's 8
+    assert j["vs_best_fixed"] == pytest.approx(8.0 / 4.0)  # over plain +json (4 tok/s), not the unconstrained rows
+    assert rows["mars ngram θ=0.9 k=adaptive"]["vs_best_fixed"] == pytest.approx(32.0 / 16.0)
+    from rich.console import Console
+
+    console = Console(width=400, record=True)
+    for t in B.render_tables(list(rows.values())):
+        console.print(t)
+    text = console.export_text()
+    assert "mars +json" in text and "plain +json" in text and "mars ngram θ=0.9 k=adaptive +json" in text
+
+
+def test_cli_format_json_reaches_the_settings(tiny_target, monkeypatch):
+    seen = []
+
+    def fake_run(prompts, settings, progress=None):
+        seen.append(settings)
+        raise MarsError("stopped by the test")
+
+    monkeypatch.setattr(B, "run_bench", fake_run)
+    for extra, want in [([], False), (["--format-json"], True)]:
+        r = invoke("bench", "--quick", "--no-peers", "-m", tiny_target, *extra)
+        assert r.exit_code == 2 and "stopped by the test" in r.stderr
+        assert seen[-1].format_json is want
+    n = [int(x.split("×")[1].split()[0]) for x in r.stderr.splitlines() if "configurations" in x]
+    assert n == [len(B.plan_runs(seen[-1]))] and n[0] == len(B.plan_runs(seen[0])) + 2
+
+
+def test_run_bench_format_json_on_tiny_models(tiny_target, tiny_prompts):
+    s = B.BenchSettings(target=tiny_target, thetas=(0.9,), draft_max=3, max_tokens=8, n_ctx=512, peers=False,
+                        format_json=True)
+    res = B.run_bench(tiny_prompts, s)
+    json_runs = [r for r in res.runs if r.grammar]
+    assert [r.label for r in json_runs] == ["plain +json", "mars ngram θ=0.9 k=adaptive +json"]
+    for r in json_runs:  # the JSON grammar's root is an object
+        assert all(smp.text.startswith("{") for smp in res.samples[r]), [smp.text for smp in res.samples[r]]
+    unconstrained = res.samples[res.runs[0]]
+    assert any(not smp.text.startswith("{") for smp in unconstrained)  # so the grammar did something
+    rows = {B.row_label(r): r for r in res.rows if r["category"] == "all"}
+    assert rows["plain +json"]["grammar"] == "json" and rows["plain +json"]["tokens_per_second"] > 0
+    assert rows["mars ngram θ=0.9 k=adaptive +json"]["mean_accepted_length"] > 0
+    assert res.to_dict()["meta"]["format_json"] is True

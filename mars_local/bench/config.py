@@ -26,18 +26,20 @@ class RunConfig:
     drafter: str  # "none" | "ngram" | "model" (peers: the drafter they use)
     theta: float | None = None
     k: int | str = 0  # draft length, or "adaptive"
+    grammar: str | None = None  # "json": constrained by the JSON grammar (--format-json rows)
 
     @property
     def label(self) -> str:
+        suffix = f" +{self.grammar}" if self.grammar else ""
         if self.method == "plain":
-            return "plain"
+            return "plain" + suffix
         parts = [self.method]
         if self.method in ("strict", "mars") or self.method == PEER_SPEC:
             parts.append(self.drafter)
         if self.theta is not None:
             parts.append(f"θ={self.theta:g}")
         parts.append(f"k={self.k}")
-        return " ".join(parts)
+        return " ".join(parts) + suffix
 
     @property
     def is_peer(self) -> bool:
@@ -71,6 +73,7 @@ class BenchSettings:
     llama_cpp_bin: Path | None = None
     peer_ks: tuple[int, ...] | None = None  # llama-speculative-simple's draft lengths (default: draft_max)
     warmup: bool = True
+    format_json: bool = False  # also plain and one MARS configuration per drafter under the JSON grammar
     label: str = ""
     notes: list[str] = field(default_factory=list)
 
@@ -117,13 +120,30 @@ class BenchSettings:
         )
 
 
+def json_theta(s: BenchSettings) -> float:
+    """The θ of the --format-json rows: the default θ when it is benchmarked, else the first."""
+    return float(GenerateConfig.theta if GenerateConfig.theta in s.thetas else s.thetas[0])
+
+
+def json_k(s: BenchSettings) -> int | str:
+    """The draft length of the --format-json rows: adaptive when adaptive MARS runs, else the largest fixed k."""
+    if True in s.adaptive_modes and s.temperature == 0:
+        return "adaptive"
+    return max(s.ks())
+
+
 def plan_runs(s: BenchSettings) -> list[RunConfig]:
     """Every configuration, plain first.
 
     With sampling (T > 0) the engine keeps k fixed for seeded MARS runs (their
     output would otherwise depend on timing), so adaptive MARS is left out.
+    ``format_json`` adds plain decoding and, per drafter, MARS at one θ and k
+    (:func:`json_theta`, :func:`json_k`) constrained by the JSON grammar: the
+    grammar's cost beside the same configurations without it.
     """
     runs = [RunConfig("plain", "none", None, 0)]
+    if s.format_json:
+        runs.append(RunConfig("plain", "none", None, 0, "json"))
     ks: list[int | str] = []
     for adaptive in dict.fromkeys(s.adaptive_modes):
         ks += ["adaptive"] if adaptive else list(s.ks())
@@ -135,6 +155,8 @@ def plan_runs(s: BenchSettings) -> list[RunConfig]:
                 if k == "adaptive" and s.temperature > 0:
                     continue
                 runs.append(RunConfig("mars", d, float(th), k))
+        if s.format_json:
+            runs.append(RunConfig("mars", d, json_theta(s), json_k(s), "json"))
     if s.peers:
         runs.append(RunConfig(PEER_LCP, "ngram", None, s.draft_max))
     if s.llama_cpp_bin is not None:
@@ -198,5 +220,6 @@ class BenchResult:
                 "categories": list(dict.fromkeys(p.category for p in self.prompts)),
                 "wall_s": round(self.wall_s, 2),
                 "notes": self.notes,
+                **({"format_json": True} if s.format_json else {}),
             },
         }

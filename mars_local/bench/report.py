@@ -107,16 +107,19 @@ def summarize(prompts: Sequence[BenchPrompt], runs: Sequence[RunConfig], samples
                 "drafter": r.drafter,
                 "theta": r.theta,
                 "k": r.k,
+                **({"grammar": r.grammar} if r.grammar else {}),  # --format-json rows only
                 "tokens_per_second": agg.pop("tokens_per_second"),
             }
             row["speedup_vs_plain"] = _ratio(row["tokens_per_second"], base[c])
             row.update(agg)
             rows.append(row)
-    # Adaptive rows: tokens/s relative to the best fixed k in hindsight (plain = k 0 included).
+    # Adaptive rows: tokens/s relative to the best fixed k in hindsight (plain = k 0 included),
+    # among the rows under the same grammar (a +json row: plain +json).
     for row in rows:
         row["vs_best_fixed"] = None
         if row["k"] == "adaptive":
-            fixed = [o["tokens_per_second"] for o in rows if o["category"] == row["category"] and (
+            fixed = [o["tokens_per_second"] for o in rows if o["category"] == row["category"]
+                     and o.get("grammar") == row.get("grammar") and (
                 o["method"] == "plain" or (o["method"] == row["method"] and o["drafter"] == row["drafter"]
                                            and o["theta"] == row["theta"] and isinstance(o["k"], int)))]
             row["vs_best_fixed"] = _ratio(row["tokens_per_second"], max(fixed))
@@ -133,7 +136,7 @@ def _fmt(v, spec: str, none: str = "–") -> str:
 
 
 def row_label(row: dict) -> str:
-    return RunConfig(row["method"], row["drafter"], row["theta"], row["k"]).label
+    return RunConfig(row["method"], row["drafter"], row["theta"], row["k"], row.get("grammar")).label
 
 
 def rows_by_configuration(rows: Sequence[dict]) -> dict[str, dict[str, dict]]:
@@ -171,7 +174,8 @@ def render_tables(result_or_rows, title: str = ""):
     for r in overall:
         split = time_split(r)
         t.add_row(
-            r["method"], r["drafter"], _fmt(r["theta"], "g"), str(r["k"]), f"{r['tokens_per_second']:.1f}",
+            r["method"] + (f" +{r['grammar']}" if r.get("grammar") else ""), r["drafter"], _fmt(r["theta"], "g"),
+            str(r["k"]), f"{r['tokens_per_second']:.1f}",
             _fmt(r["speedup_vs_plain"], ".2f") + ("×" if r["speedup_vs_plain"] is not None else ""),
             _fmt(r["acceptance_rate"], ".0%"), _fmt(r["mean_accepted_length"], ".2f"), _fmt(r["relaxed_share"], ".0%"),
             _fmt(r["token_agreement"], ".0%"), _fmt(r["quality_recovery"], ".3f"), _fmt(r["nll_ratio"], ".3f"),
@@ -231,7 +235,7 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> None:
     peers are dashed horizontal lines.
     """
     FigureCanvasAgg, Figure, Line2D = _matplotlib()
-    rows = [r for r in result.rows if r["category"] == "all"]
+    rows = [r for r in result.rows if r["category"] == "all" and not r.get("grammar")]  # +json rows: the tables only
     s = result.settings
     has_quality = any(r["quality_recovery"] is not None for r in rows if r["method"] == "mars")
     panels = [("speedup_vs_plain", "Speedup vs plain decoding", "speedup (×, higher is faster)")]

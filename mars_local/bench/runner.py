@@ -95,13 +95,20 @@ def run_bench(
                 peers[r] = LlamaCppBinaryPeer(bins["llama-completion"], PEER_COMPLETION, s)
         texts = [_prompt_text(first.target, t) for t in tokens] if bins else None
         sampling = s.sampling()
+        grammars = {None: None}
+        if any(r.grammar == "json" for r in runs):
+            from ..grammar import json_grammar
+
+            grammars["json"] = json_grammar()
 
         def config(r: RunConfig, max_tokens: int) -> GenerateConfig:
             if r.method == "plain":
-                return GenerateConfig(max_tokens=max_tokens, verify="strict", draft_max=0, adaptive=False, sampling=sampling)
+                return GenerateConfig(max_tokens=max_tokens, verify="strict", draft_max=0, adaptive=False,
+                                      sampling=sampling, grammar=grammars[r.grammar])
             return GenerateConfig(
                 max_tokens=max_tokens, verify=r.method, theta=r.theta if r.theta is not None else GenerateConfig.theta,
                 draft_max=s.draft_max if r.k == "adaptive" else r.k, adaptive=r.k == "adaptive", sampling=sampling,
+                grammar=grammars[r.grammar],
             )
 
         def engine_for(r: RunConfig) -> Engine:
