@@ -242,6 +242,19 @@ def chat_template_option(value: Optional[str]) -> Optional[str]:
     return value
 
 
+def check_template(template: str, given: str) -> None:
+    """A built-in template's name or Jinja that compiles (the Engine checks again), before
+    standard input is read or a model loads; a file's Jinja errors name the file."""
+    from .chat_builtin import check_chat_template
+
+    try:
+        check_chat_template(template)
+    except MarsError as exc:
+        if template is given:
+            raise
+        raise MarsError(f"--chat-template {given}: {exc}") from None
+
+
 def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Optional[str]) -> Optional[str]:
     """GBNF text for --grammar FILE (or GBNF text itself, as llama.cpp's --grammar),
     --json-schema FILE|JSON or --format json; at most one of them."""
@@ -469,6 +482,8 @@ class GenOptions:
         """--chat-template resolved (read once): Jinja text, or a name, or None."""
         if not hasattr(self, "_template"):
             self._template = chat_template_option(self.chat_template)
+            if self._template is not None:
+                check_template(self._template, self.chat_template)
         return self._template
 
     def grammar_text(self) -> Optional[str]:

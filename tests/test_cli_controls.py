@@ -440,7 +440,9 @@ def test_e2e_a_stop_string_cuts_the_greedy_output(tiny):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     assert stop and stop.strip(), text
     cut = run_json("the a", *tiny, "-n", 24, "--ignore-eos", "--stop", stop)
-    assert cut["text"] == text[:text.index(stop)] and cut["stats"]["stop_reason"] == "stop"
+    assert cut["text"] == text[:text.index(stop)]
+    # the generation ended there: fewer tokens than without the stop string, and the reason says so
+    assert len(cut["tokens"]) < len(full["tokens"]) and cut["stats"]["stop_reason"] == "stop", cut["stats"]
 
 
 def test_e2e_ignore_eos_generates_exactly_n(tiny):
@@ -486,3 +488,32 @@ def test_e2e_batch_records_with_controls(tiny, tmp_path):
     rows = {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
     assert rows[1]["text"] in ("yes", "no") and "logprobs" not in rows[1]
     assert rows[2]["stats"]["n_generated"] == 5 and len(rows[2]["logprobs"]) == 5
+
+
+def test_an_unknown_chat_template_name_is_one_line_before_anything_loads(fake_engine):
+    line = one_error_line(invoke("run", "hi", "-m", FAKE, "--chat-template", "no-such-template"))
+    assert "unknown chat template 'no-such-template'" in line and "chatml" in line
+    assert not fake_engine.opened
+
+
+def test_a_chat_template_file_with_a_jinja_error_names_the_file(fake_engine, tmp_path):
+    t = tmp_path / "broken.jinja"
+    t.write_text("{% for m in messages %}{{ m['content'] }}", encoding="utf-8")  # no endfor
+    line = one_error_line(invoke("run", "hi", "-m", FAKE, "--chat-template", t))
+    assert line.startswith(f"error: --chat-template {t}:"), line
+    assert not fake_engine.opened
+
+
+def test_e2e_chat_template_builtin_names_and_a_jinja_file(tiny, tmp_path):
+    chatml = run_json("hi", *tiny, "-n", 2, "--chat", "--chat-template", "chatml")
+    gemma = run_json("hi", *tiny, "-n", 2, "--chat", "--chat-template", "gemma")
+    assert chatml["stats"]["n_prompt"] != gemma["stats"]["n_prompt"]
+    short = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    t = tmp_path / "mine.jinja"
+    t.write_text(short.replace("<<", "<<<<").replace(">>", ">>>>"), encoding="utf-8")
+    from_file = run_json("hi", *tiny, "-n", 2, "--chat", "--chat-template", t)
+    inline = run_json("hi", *tiny, "-n", 2, "--chat", "--chat-template", t.read_text())
+    assert from_file["tokens"] == inline["tokens"]
+    assert from_file["stats"]["n_prompt"] == inline["stats"]["n_prompt"]
+    shorter = run_json("hi", *tiny, "-n", 2, "--chat", "--chat-template", short)
+    assert from_file["stats"]["n_prompt"] - shorter["stats"]["n_prompt"] == 4  # one token per '<' and '>'
