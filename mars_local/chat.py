@@ -224,7 +224,8 @@ class ChatSession:
                 self.messages.pop()
                 raise
         room = self.engine.n_ctx - len(toks) - 1
-        cfg = replace(self.config, max_tokens=max(1, min(self.config.max_tokens, room)))
+        limit = room if self.config.unlimited else min(self.config.max_tokens, room)
+        cfg = replace(self.config, max_tokens=max(1, limit))
         parts: list[str] = []
         interrupted = False
         stream = self.engine.stream(toks, cfg)
@@ -246,7 +247,8 @@ class ChatSession:
         if s is not None and not interrupted:
             # the answer was cut by the context, not by -n: the engine stops with
             # "length" when the cap above, not -n, was the limit
-            capped = cfg.max_tokens < self.config.max_tokens and s.n_generated >= cfg.max_tokens
+            asked = room + 1 if self.config.unlimited else self.config.max_tokens
+            capped = cfg.max_tokens < asked and s.n_generated >= cfg.max_tokens
             cut = s.stop_reason == "context" or (s.stop_reason == "length" and capped)
         yield TurnDone("".join(parts), s, interrupted, cut)
 

@@ -22,7 +22,7 @@ from .errors import MarsError
 
 @opt.generation_options
 def chat(
-    n_predict: int = typer.Option(512, "-n", "--n-predict", "--predict", help="Maximum tokens per answer."),
+    n_predict: int = typer.Option(512, "-n", "--n-predict", "--predict", help="Maximum tokens per answer (-1: until the end of the answer or a full context)."),
     system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt."),
     show_acceptance: bool = typer.Option(False, "--show-acceptance", "--color-draft", help="Colour tokens by origin."),
     gen: opt.GenOptions = None,
@@ -30,6 +30,7 @@ def chat(
     """Chat with a model in the terminal (/help for commands, Ctrl-D to leave)."""
     if system is not None:
         system = opt.valid_utf8(system, "--system")
+    opt.check_n_predict(n_predict)
     choice = gen.choice()
     cfg = gen.config(choice, n_predict)
     eng = gen.engine(choice)
@@ -37,7 +38,8 @@ def chat(
         eng.close()
         raise MarsError(f"{choice.label} has no chat template; give one with --chat-template NAME|FILE "
                         "or use `mars run` instead")
-    session = ChatSession(eng, cfg, system, reserve=n_predict)
+    # -n -1: answers may fill the context; keep the default room for one free
+    session = ChatSession(eng, cfg, system, reserve=n_predict if n_predict > 0 else 512)
     show = opt.chunk_printer(show_acceptance, eng)
     render = _renderer(show, eng.n_ctx)
     echo(f"mars chat with {choice.label} (drafter: {choice.drafter}, verify: {cfg.verify}); /help for commands")

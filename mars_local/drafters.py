@@ -38,12 +38,25 @@ from typing import ClassVar
 import numpy as np
 
 from .adaptive import confidence_key
-from .choices import DRAFT_SAMPLINGS, DraftSampling
+from .choices import DRAFT_SAMPLINGS, DRAFTERS, DrafterKind, DraftSampling
 from .errors import MarsError
 from .sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
 from .tokens import common_prefix_len
 
 __all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT", "Extend"]
+
+
+def drafter_kind(drafter: DrafterKind | None, draft) -> DrafterKind:
+    """The drafter asked for (default: the draft model when there is one), checked against ``draft``."""
+    if drafter is None:
+        drafter = "model" if draft else "none"
+    if drafter not in DRAFTERS:
+        raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    if drafter == "model" and not draft:
+        raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)")
+    if drafter != "model" and draft:
+        raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
+    return drafter
 
 
 @dataclass
@@ -157,6 +170,7 @@ class ModelDrafter(Drafter):
         seed: int = 0,
         p_min: float = 0.0,
         n_min: int = 0,
+        controls=None,
     ):
         if sampling not in DRAFT_SAMPLINGS:
             raise MarsError(f"draft sampling must be {' or '.join(DRAFT_SAMPLINGS)}, got {sampling!r}")
@@ -166,6 +180,7 @@ class ModelDrafter(Drafter):
         self.seed = seed
         self.p_min = p_min
         self.n_min = n_min
+        self.controls = controls  # controls.Controls: the target's penalties/grammar on the draft's rows too
         self._base = 0
 
     def begin(self, tokens: list[int]) -> int:
@@ -188,22 +203,34 @@ class ModelDrafter(Drafter):
         out: list[int] = []
         probs = []
         keys: list[str] | None = [] if extend is not None else None
-        while True:
-            p_top = top_probability(row) if (self.p_min > 0.0 or keys is not None) else 1.0
-            if p_top < self.p_min:
-                break
-            if sampled:  # the draw for a position is keyed by (seed, position)
-                q = probabilities(row, self.params)
-                tok = sample_from(q, position_uniforms(self.seed, len(tokens) + len(out), 1, stream=1)[0, 0])
-                probs.append(q)
-            else:
-                tok = int(row.argmax())
-            out.append(tok)
-            if keys is not None:
-                keys.append(confidence_key(p_top))
-            if len(out) >= k or (extend is not None and not extend(keys)):
-                break
-            row = ctx.eval([tok], 1)[0]
+        win = self.controls.window(tokens) if self.controls is not None else None
+        try:
+            while True:
+                if win is not None:
+                    win.apply(row)  # the target's controls at this position (penalties, grammar)
+                    if not np.isfinite(row.max()):
+                        break  # nothing allowed here (a grammar that must end)
+                p_top = top_probability(row) if (self.p_min > 0.0 or keys is not None) else 1.0
+                if p_top < self.p_min:
+                    break
+                if sampled:  # the draw for a position is keyed by (seed, position)
+                    q = probabilities(row, self.params)
+                    tok = sample_from(q, position_uniforms(self.seed, len(tokens) + len(out), 1, stream=1)[0, 0])
+                else:
+                    tok = int(row.argmax())
+                if win is not None and not win.push(tok, row):
+                    break
+                if sampled:
+                    probs.append(q)
+                out.append(tok)
+                if keys is not None:
+                    keys.append(confidence_key(p_top))
+                if len(out) >= k or (extend is not None and not extend(keys)):
+                    break
+                row = ctx.eval([tok], 1)[0]
+        finally:
+            if win is not None:
+                win.close()
         if len(out) < max(self.n_min, 1):
             return EMPTY_DRAFT
         return Draft(out, np.stack(probs) if sampled else None, keys)

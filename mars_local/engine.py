@@ -25,11 +25,13 @@ import numpy as np
 
 from . import native
 from .adaptive import AdaptiveK
-from .choices import DRAFTERS, DrafterKind
+from .choices import DrafterKind
 from .controllers import Controllers, calibrate, learned_keys
-from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter
+from .controls import Controls, StopScanner
+from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
 from .errors import MarsError
-from .generation import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, _Run
+from .generation import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, _Run, token_logprobs
+from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from .runtime import Context, Model, build_fingerprint, check_vocab_compatible
 from .sampling import position_uniforms
@@ -37,19 +39,6 @@ from .stats import SpecStats
 from .verify import VerifyConfig, VerifyResult, verify
 
 __all__ = ["Engine", "GenerateConfig", "Generation", "Chunk", "Stream"]
-
-
-def _drafter_kind(drafter: DrafterKind | None, draft: str | Path | None) -> DrafterKind:
-    """The drafter asked for (default: the draft model when there is one), checked against ``draft``."""
-    if drafter is None:
-        drafter = "model" if draft else "none"
-    if drafter not in DRAFTERS:
-        raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-    if drafter == "model" and not draft:
-        raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)")
-    if drafter != "model" and draft:
-        raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
-    return drafter
 
 
 class Engine:
@@ -88,7 +77,7 @@ class Engine:
 
             check_chat_template(chat_template)  # before any model loads
         self._chat_template_arg = chat_template
-        self.drafter_kind = drafter = _drafter_kind(drafter, draft)
+        self.drafter_kind = drafter = drafter_kind(drafter, draft)
         self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
@@ -271,8 +260,11 @@ class Engine:
         seed = cfg.sampling.base_seed()
         ctrl = self._controller(cfg)
         stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
-        run = _Run(tokens, cfg, vcfg, seed, self._make_drafter(cfg, seed), stats, ctrl)
-        return Stream(self._run(run), stats)
+        grammar = GrammarState(self.target, cfg.grammar) if cfg.grammar is not None else None
+        controls = Controls(cfg, self.target.eog_ids, grammar)
+        run = _Run(tokens, cfg, vcfg, seed, self._make_drafter(cfg, seed, controls), stats, ctrl,
+                   controls=controls, stops=StopScanner(cfg.stop))
+        return Stream(self._run(run), stats, cfg)
 
     @property
     def last_stats(self) -> SpecStats | None:
@@ -285,10 +277,11 @@ class Engine:
                 "another generation is still running on this Engine; exhaust or close() its stream first"
             )
 
-    def _make_drafter(self, cfg: GenerateConfig, seed: int) -> Drafter:
+    def _make_drafter(self, cfg: GenerateConfig, seed: int, controls: Controls) -> Drafter:
         if self.drafter_kind == "model":
             return ModelDrafter(
-                self._draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min
+                self._draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min,
+                controls=controls if controls.active else None,
             )
         if self.drafter_kind == "ngram":
             return NgramDrafter(self.ngram_max, self.ngram_min)
@@ -321,6 +314,7 @@ class Engine:
                 stats.stop_reason = "error"
             raise
         finally:
+            run.controls.close()
             stats.time_total_s = time.perf_counter() - t_start
             if self._busy is busy:
                 self._busy = None
@@ -345,6 +339,9 @@ class Engine:
             logits = self._target_forward(tokens[-1], draft)
             # target cache: tokens + d_0 .. d_{k-1} (base + 1 + k positions)
             t2 = clock()
+            if run.controls.active:  # row i as if d_0 .. d_{i-1} were committed
+                run.controls.process_window(tokens, logits, draft.tokens)
+            run.logits = logits
             res = self._verify(run, verify_window, logits, draft)
             t3 = clock()
             self._commit(run, base, res)
@@ -363,11 +360,11 @@ class Engine:
             chunk = self._emit(run, len(draft), res)
             if chunk is not None:
                 yield chunk
-            if stats.stop_reason == "eog":
+            if stats.stop_reason in ("eog", "stop"):
                 break
-        tail = run.decoder.decode(b"", final=True)
+        tail = run.stops.feed(run.decoder.decode(b"", final=True)) + run.stops.flush()
         if tail:
-            yield Chunk([], tail, [])
+            yield Chunk([], tail, [], [] if run.cfg.logprobs else None)
 
     def _begin(self, run: _Run, t_start: float) -> None:
         """Bring both caches to the prompt minus its last token (reusing what they
@@ -383,7 +380,7 @@ class Engine:
     def _draft_cap(self, run: _Run) -> int | None:
         """The longest draft this round may have, or None (with the stop reason
         set) when the generation is done: max_tokens reached or no room left."""
-        remaining = run.cfg.max_tokens - run.generated
+        remaining = MAX_DRAFT + 1 if run.cfg.unlimited else run.cfg.max_tokens - run.generated
         if remaining <= 0:
             run.stats.stop_reason = "length"
             return None
@@ -458,16 +455,20 @@ class Engine:
             if self.target.is_eog(t):
                 new, kinds, stop = new[:i], kinds[:i], "eog"
                 break
+        run.controls.commit(new)
+        text, n = run.text([self.target.piece(t) for t in new])
+        if run.stops.stopped:
+            new, kinds, stop = new[:n], kinds[:n], "stop"
         stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
         run.generated += len(new)
-        text = run.decoder.decode(b"".join(self.target.piece(t) for t in new))
         if stop:
             stats.stop_reason = stop
-        elif run.generated >= run.cfg.max_tokens:
+        elif not run.cfg.unlimited and run.generated >= run.cfg.max_tokens:
             stats.stop_reason = "length"
         elif self._ctx.n_ctx - self._ctx.n_past - 1 < 0:
             stats.stop_reason = "context"
-        return Chunk(list(new), text, kinds) if new or text else None
+        logprobs = token_logprobs(run.logits, new, run.cfg.logprobs) if run.cfg.logprobs else None
+        return Chunk(list(new), text, kinds, logprobs) if new or text else None
 
     def generate(
         self,
@@ -478,7 +479,7 @@ class Engine:
     ) -> Generation:
         """Generate a completion; ``options`` are :class:`GenerateConfig` fields
         plus the sampling fields (temperature, top_k, top_p, min_p, seed)."""
-        text, toks, kinds = [], [], []
+        text, toks, kinds, logprobs = [], [], [], []
         with self.stream(prompt, config, **options) as stream:
             # closed on every way out: an exception in on_chunk (Ctrl-C)
             # finalizes the stats and frees the engine now
@@ -486,9 +487,11 @@ class Engine:
                 text.append(chunk.text)
                 toks.extend(chunk.tokens)
                 kinds.extend(chunk.kinds)
+                logprobs.extend(chunk.logprobs or [])
                 if on_chunk is not None:
                     on_chunk(chunk)
-        return Generation("".join(text), toks, kinds, stream.stats)
+        lp = logprobs if stream.config.logprobs else None
+        return Generation("".join(text), toks, kinds, stream.stats, lp)
 
     def reset(self) -> None:
         """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""

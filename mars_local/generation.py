@@ -133,6 +133,19 @@ class TokenLogprob:
         return d
 
 
+def token_logprobs(rows, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+    """Log probabilities of ``tokens[i]`` under row i of ``rows`` (log-softmax in float64), with the top ``n_top``."""
+    out = []
+    for i, t in enumerate(tokens):
+        z = np.asarray(rows[i], dtype=np.float64)
+        m = z.max()
+        lse = m + np.log(np.exp(z - m).sum())
+        top = np.argpartition(-z, n_top - 1)[:n_top] if n_top < len(z) else np.arange(len(z))
+        top = sorted(top.tolist(), key=lambda j: (-z[j], j))
+        out.append(TokenLogprob(int(t), float(z[t] - lse), tuple((int(j), float(z[j] - lse)) for j in top)))
+    return out
+
+
 @dataclass
 class Chunk:
     """Tokens committed by one round, with how each was produced.
@@ -168,14 +181,16 @@ class Generation:
 class Stream(Iterator[Chunk]):
     """The chunks of one generation (what :meth:`Engine.stream` returns).
 
-    ``stats`` is this generation's :class:`SpecStats`: filled in as the chunks
+    ``config`` is the :class:`GenerateConfig` it runs with; ``stats`` is this
+    generation's :class:`SpecStats`: filled in as the chunks
     come, final once the stream is exhausted or closed (``close()``, a ``with``
     block, or the stream being collected), stop_reason included.
     """
 
-    def __init__(self, chunks: Iterator[Chunk], stats: SpecStats):
+    def __init__(self, chunks: Iterator[Chunk], stats: SpecStats, config: GenerateConfig | None = None):
         self._chunks = chunks
         self.stats = stats
+        self.config = config if config is not None else GenerateConfig()
 
     def __iter__(self) -> "Stream":
         return self
@@ -206,7 +221,22 @@ class _Run:
     drafter: Drafter
     stats: SpecStats
     ctrl: AdaptiveK | None
+    controls: object = None  # controls.Controls: penalties, EOG masking, grammar (window-aware)
+    stops: object = None  # controls.StopScanner
+    logits: object = None  # the latest window's rows (processed), for logprobs
     generated: int = 0
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
+
+    def text(self, pieces: list[bytes]) -> tuple[str, int]:
+        """The text of new tokens (their UTF-8 ``pieces``) that may be shown now, and how
+        many of the tokens to keep: all, or up to the one that completes a stop string."""
+        if not self.stops.stops:
+            return self.decoder.decode(b"".join(pieces)), len(pieces)
+        out = []
+        for i, piece in enumerate(pieces):
+            out.append(self.stops.feed(self.decoder.decode(piece)))
+            if self.stops.stopped:
+                return "".join(out), i + 1
+        return "".join(out), len(pieces)

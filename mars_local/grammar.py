@@ -38,10 +38,17 @@ def grammar_from_json_schema(schema: str | dict) -> str:
     if not isinstance(obj, dict):
         raise MarsError("a JSON schema must be a JSON object")
     try:
-        return json_schema_to_gbnf(text)
+        gbnf = json_schema_to_gbnf(text)
     except Exception as exc:  # the converter raises bare exceptions on schemas it does not support
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise MarsError(f"cannot convert the JSON schema to a grammar: {msg}") from None
+    # The pinned converter's string character allows raw control characters, which JSON
+    # forbids (llama.cpp's own converter and JSON_GBNF exclude them): exclude them too.
+    return gbnf.replace(_LAX_CHAR, _JSON_CHAR)
+
+
+_LAX_CHAR = r'char ::= [^"\\] |'
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 
 
 def load_grammar_option(grammar_file: str | Path | None = None, json_schema: str | None = None,

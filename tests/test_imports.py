@@ -22,6 +22,8 @@ PURE = [
     "mars_local.controllers",
     "mars_local.drafters",
     "mars_local.tokens",
+    "mars_local.controls",
+    "mars_local.grammar",
     "mars_local.learned",
     "mars_local.native",
     "mars_local.gguf_file",

@@ -1,0 +1,291 @@
+"""Generation controls inside speculative windows, on tiny random models and SmolLM2:
+stop strings, penalties, ignore-eos, -n -1, grammars, logprobs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from mars_local import Engine, MarsError
+from mars_local.controls import Controls, apply_penalties
+from mars_local.generation import GenerateConfig
+from mars_local.grammar import GrammarState, grammar_from_json_schema, json_grammar
+from mars_local.sampling import SamplingParams, probabilities
+from tinymodels import make_tiny_llama
+
+PROMPTS = ["hello world the", "the a the a the a", "hello hello world world", "w1 w2 w3 w1 w2"]
+PENALTIES = [dict(repeat_penalty=1.5), dict(frequency_penalty=0.8), dict(presence_penalty=1.2),
+             dict(repeat_penalty=1.3, repeat_last_n=4, frequency_penalty=0.3, presence_penalty=0.2)]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    with Engine(tiny_target) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_target, tiny_draft):
+    with Engine(tiny_target, tiny_draft) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_target):
+    with Engine(tiny_target, drafter="ngram") as eng:
+        yield eng
+
+
+# ------------------------------------------------------------------ penalties
+@pytest.mark.parametrize("pen", PENALTIES)
+def test_plain_decoding_applies_llama_cpp_penalties(plain, pen):
+    """Plain greedy with a penalty == argmax of the penalized row, one forward per token (reference loop)."""
+    cfg = GenerateConfig(**pen)
+    toks = plain.tokenize(PROMPTS[1])
+    want = []
+    for _ in range(12):
+        row = plain.logits(toks + want)[-1].copy()
+        apply_penalties(row, toks + want, cfg)
+        want.append(int(row.argmax()))
+        if want[-1] in plain.eog_ids:
+            want.pop()
+            break
+    got = plain.generate(toks, max_tokens=len(want) or 1, **pen)
+    assert got.tokens == want
+    assert plain.generate(toks, max_tokens=12).tokens != want[:12] or not pen  # the penalty changes the output
+
+
+@pytest.mark.parametrize("pen", PENALTIES)
+def test_strict_greedy_with_penalties_equals_plain_greedy(plain, spec, ngram, pen):
+    accepted = 0
+    for prompt in PROMPTS:
+        ref = plain.generate(prompt, max_tokens=40, **pen)
+        for eng in (spec, ngram):
+            for adaptive in (False, True):
+                out = eng.generate(prompt, max_tokens=40, verify="strict", draft_max=4, adaptive=adaptive, **pen)
+                assert out.tokens == ref.tokens, (prompt, eng.drafter_kind, adaptive, pen)
+                accepted += out.stats.n_accepted
+    assert accepted > 0  # windows of several rows were verified, not just single tokens
+
+
+def test_strict_greedy_with_penalties_on_smollm2(smollm2, smollm2_f16):
+    pen = dict(repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
+    prompt = "List the colours of the rainbow, then list them again in reverse order:"
+    with Engine(smollm2) as plain_eng, Engine(smollm2, smollm2_f16) as eng:
+        ref = plain_eng.generate(prompt, max_tokens=48, **pen)
+        assert ref.tokens != plain_eng.generate(prompt, max_tokens=48).tokens  # the penalties matter here
+        out = eng.generate(prompt, max_tokens=48, verify="strict", draft_max=6, **pen)
+    assert out.tokens == ref.tokens and out.stats.n_accepted > 0
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_strict_sampling_with_penalties_keeps_the_second_tokens_distribution(tiny_target, tiny_draft, draft_sampling):
+    """The 2nd token (row 1 of a window: its history holds draft d_0) ~ the penalized p given the 1st."""
+    pen = dict(repeat_penalty=1.8, presence_penalty=1.0)
+    sp = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    cfg = GenerateConfig(**pen)
+    params = SamplingParams(**sp)
+    with Engine(tiny_target, tiny_draft) as eng:
+        toks = eng.tokenize(PROMPTS[1])
+        row0 = eng.logits(toks)[0].copy()
+        apply_penalties(row0, toks, cfg)
+        first = int(row0.argmax())  # the most likely first token: condition on it
+        row1 = eng.logits(toks + [first])[0].copy()
+        apply_penalties(row1, toks + [first], cfg)
+        p = probabilities(row1, params)
+        counts = np.zeros(len(p), dtype=np.int64)
+        for seed in range(2500):
+            out = eng.generate(toks, max_tokens=2, verify="strict", draft_max=3, adaptive=False,
+                               draft_sampling=draft_sampling, seed=seed, **sp, **pen)
+            if len(out.tokens) == 2 and out.tokens[0] == first:
+                counts[out.tokens[1]] += 1
+    n = counts.sum()
+    assert n >= 200
+    keep = p * n >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(p[keep] * n, p[~keep].sum() * n)
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+# ------------------------------------------------------------------ EOG and length
+@pytest.fixture(scope="module")
+def eager_eos(tiny_dir, plain):
+    """The tiny target with its first greedy token declared end-of-generation: it stops at once."""
+    first = plain.generate(PROMPTS[0], max_tokens=1).tokens[0]
+    return make_tiny_llama(tiny_dir / "eager-eos.gguf", seed=0, eos_id=first)
+
+
+def test_ignore_eos_generates_exactly_n_tokens(eager_eos):
+    with Engine(eager_eos, drafter="ngram") as eng:
+        stopped = eng.generate(PROMPTS[0], max_tokens=20)
+        assert stopped.tokens == [] and stopped.stats.stop_reason == "eog"
+        out = eng.generate(PROMPTS[0], max_tokens=20, ignore_eos=True, verify="mars")
+    assert len(out.tokens) == 20 and out.stats.stop_reason == "length"
+    assert not set(out.tokens) & set(eng.eog_ids)
+
+
+def test_unlimited_stops_at_eog_or_a_full_context(eager_eos, tiny_target):
+    with Engine(eager_eos) as eng:
+        assert eng.generate(PROMPTS[0], max_tokens=-1).stats.stop_reason == "eog"
+    with Engine(tiny_target, drafter="ngram", n_ctx=64) as eng:
+        out = eng.generate(PROMPTS[0], max_tokens=-1, ignore_eos=True)
+        n_prompt, n_ctx = len(eng.tokenize(PROMPTS[0])), eng.n_ctx
+    assert out.stats.stop_reason == "context"
+    assert n_prompt + len(out.tokens) == n_ctx + 1  # the cache full; the last token needs no forward
+
+
+# ------------------------------------------------------------------ stop strings
+def test_stop_string_split_over_two_windows_is_cut_exactly(spec):
+    """A stop string that starts in one verify window and ends in the next: the
+    output ends right before it and no streamed chunk shows any of it."""
+    kw = dict(max_tokens=60, verify="strict", draft_max=3, adaptive=False)
+    chunks = list(spec.stream(PROMPTS[0], **kw))
+    texts = [c.text for c in chunks]
+    full = "".join(texts)
+    j = next(i for i in range(1, len(texts)) if len(texts[i - 1]) >= 2 and len(texts[i]) >= 2
+             and full.find(texts[i - 1][-2:] + texts[i][:2]) == len("".join(texts[:i])) - 2)
+    stop = texts[j - 1][-2:] + texts[j][:2]  # 2 characters of window j-1 and 2 of window j
+    cut = full.find(stop)
+    with spec.stream(PROMPTS[0], stop=[stop], **kw) as s:
+        got = list(s)
+    shown = "".join(c.text for c in got)
+    assert shown == full[:cut] and s.stats.stop_reason == "stop"  # the chunks showed nothing of it
+    assert sum(len(c.tokens) for c in got) < sum(len(c.tokens) for c in chunks)
+
+
+def test_stop_strings_on_smollm2_end_the_text_before_them(smollm2):
+    with Engine(smollm2, drafter="ngram") as eng:
+        full = eng.generate("Count from one to ten in words: one, two,", max_tokens=40).text
+        stop = " five"
+        assert stop in full
+        out = eng.generate("Count from one to ten in words: one, two,", max_tokens=40, stop=[stop, "zzz"])
+    assert out.text == full[: full.index(stop)] and out.stats.stop_reason == "stop"
+
+
+# ------------------------------------------------------------------ grammar
+ABC = 'root ::= ("a" | "b" | "c")+ "."'
+
+
+def test_grammar_output_matches_and_strict_equals_plain(plain, spec, ngram):
+    ref = plain.generate(PROMPTS[0], max_tokens=30, grammar=ABC)
+    assert re.fullmatch(r"[abc]+\.?", ref.text), ref.text
+    for eng in (spec, ngram):
+        out = eng.generate(PROMPTS[0], max_tokens=30, grammar=ABC, verify="strict", draft_max=4)
+        assert out.tokens == ref.tokens
+    mars = spec.generate(PROMPTS[0], max_tokens=30, grammar=ABC, verify="mars", theta=0.5, draft_max=4)
+    assert re.fullmatch(r"[abc]+\.?", mars.text), mars.text
+
+
+def test_a_draft_token_the_grammar_forbids_is_rejected(ngram, monkeypatch):
+    """The n-gram drafter proposes prompt words the grammar forbids: they reach the
+    verifier as -inf logits and are never accepted, relaxed or not."""
+    from mars_local import engine as engine_mod
+
+    seen = []
+    real = engine_mod.Engine._verify
+
+    def spy(self, run, verify_window, logits, draft):
+        res = real(self, run, verify_window, logits, draft)
+        for i, t in enumerate(draft.tokens[: res.n_accepted + 1]):
+            seen.append((bool(np.isneginf(logits[i][t])), i < res.n_accepted))
+        return res
+
+    monkeypatch.setattr(engine_mod.Engine, "_verify", spy)
+    out = ngram.generate("a b c a b c hello world the hello world", max_tokens=30, grammar=ABC,
+                         verify="mars", theta=0.1, draft_max=4, adaptive=False)
+    assert re.fullmatch(r"[abc]+\.?", out.text)
+    assert any(forbidden for forbidden, _ in seen)  # forbidden drafts were proposed ...
+    assert not any(forbidden and accepted for forbidden, accepted in seen)  # ... and never accepted
+
+
+def test_grammar_state_after_a_rolled_back_window_equals_a_plain_walk(plain):
+    """Walking a window (accepting drafts in a clone) leaves the committed state as it was."""
+    model = plain.target
+    committed = Controls(GenerateConfig(grammar=ABC), plain.eog_ids, GrammarState(model, ABC))
+    fresh = GrammarState(model, ABC)
+    a, b = (next(t for t in range(model.n_vocab) if plain.piece(t) == ch) for ch in (b"a", b"b"))
+    rows = np.zeros((3, model.n_vocab), dtype=np.float32)
+    committed.process_window([1], rows, [a, b])  # drafts a, b walked and dropped
+    committed.commit([b])
+    fresh.accept(b)
+    r1, r2 = np.zeros(model.n_vocab, np.float32), np.zeros(model.n_vocab, np.float32)
+    committed.grammar.mask(r1)
+    fresh.mask(r2)
+    assert np.array_equal(np.isfinite(r1), np.isfinite(r2))
+    assert np.isfinite(rows[1][a])
+    assert {plain.piece(int(t)) for t in np.flatnonzero(np.isfinite(rows[0]))} == {b"a", b"b", b"c"}
+    committed.close()
+    fresh.close()
+
+
+def test_invalid_grammar_and_schema_are_one_line_errors(plain):
+    with pytest.raises(MarsError, match="invalid GBNF grammar"):
+        plain.generate("hi", grammar="root ::= (", max_tokens=2)
+    with pytest.raises(MarsError, match="not valid JSON"):
+        grammar_from_json_schema("{nope")
+    assert plain.generate("hi", max_tokens=3).stats.n_generated >= 1  # the engine is still usable
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_json_schema_output_with_sampling_and_speculation_always_parses(tiny_target, tiny_draft, draft_sampling):
+    """100 generations at T = 1 with a draft model and MARS under a bounded JSON schema: every one
+    ends (the finished document leaves only end-of-generation) and parses to what the schema says."""
+    bounded = grammar_from_json_schema(PERSON)
+    bad = []
+    with Engine(tiny_target, tiny_draft) as eng:
+        for seed in range(100):
+            out = eng.generate("hello world", max_tokens=100, grammar=bounded, temperature=1.0, seed=seed,
+                               verify="mars", theta=0.5, draft_max=4, draft_sampling=draft_sampling)
+            try:
+                doc = json.loads(out.text)
+                # (maxLength is not checked: the random model's byte tokens make invalid UTF-8, replaced)
+                assert set(doc) == {"name", "age"} and isinstance(doc["name"], str) and isinstance(doc["age"], int)
+            except (ValueError, AssertionError):
+                bad.append((seed, out.stats.stop_reason, out.text))
+    assert not bad, bad[:3]
+
+
+def test_schema_strings_exclude_control_characters():
+    """JSON forbids raw control characters in strings; the converter's rule is tightened."""
+    from mars_local.grammar import _JSON_CHAR, _LAX_CHAR
+
+    gbnf = grammar_from_json_schema(PERSON)
+    assert _JSON_CHAR in gbnf and _LAX_CHAR not in gbnf
+
+
+def test_format_json_on_smollm2_parses(smollm2):
+    """--format json (any JSON value) on a real model at T = 1 with n-gram speculation and MARS."""
+    ended = 0
+    with Engine(smollm2, drafter="ngram") as eng:
+        prompt = eng.chat_prompt([{"role": "user", "content": 'Reply with the JSON object {"ok": true} only.'}])
+        for seed in range(6):
+            out = eng.generate(prompt, max_tokens=60, grammar=json_grammar(), temperature=1.0, seed=seed,
+                               verify="mars", draft_max=4)
+            if out.stats.stop_reason == "eog":
+                ended += 1
+                json.loads(out.text)  # raises if not JSON
+    assert ended >= 3  # a generation cut by -n is an unfinished document (as in llama.cpp)
+
+
+# ------------------------------------------------------------------ logprobs
+def test_logprobs_are_the_target_rows_log_softmax_without_extra_forwards(plain, spec):
+    base = spec.generate(PROMPTS[0], max_tokens=12, verify="strict", draft_max=3, adaptive=False)
+    out = spec.generate(PROMPTS[0], max_tokens=12, verify="strict", draft_max=3, adaptive=False, logprobs=3)
+    assert out.tokens == base.tokens and out.stats.n_rounds == base.stats.n_rounds
+    assert len(out.logprobs) == len(out.tokens)
+    toks = plain.tokenize(PROMPTS[0])
+    for i, lp in enumerate(out.logprobs):
+        z = plain.logits(toks + out.tokens[:i])[-1].astype(np.float64)
+        ls = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+        assert lp.token == out.tokens[i]
+        assert lp.logprob == pytest.approx(ls[lp.token], abs=1e-4)
+        assert [t for t, _ in lp.top] == list(np.argsort(-ls, kind="stable")[:3])
+    assert base.logprobs is None and "logprobs" not in base.to_dict()
