@@ -64,6 +64,7 @@ from typing import Optional
 from .chat import check_messages, short_json as _show
 from .choices import VERIFY_METHODS
 from .errors import MarsError
+from .textfile import decode_text, read_bytes
 from .sampling import SamplingParams
 
 EXIT_SKIPPED = 3  # some records were skipped; every other one was generated
@@ -264,25 +265,8 @@ def read_input(input: str) -> tuple[str, list[str]]:
         data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
     else:
         name = input
-        try:
-            data = Path(input).read_bytes()
-        except FileNotFoundError:
-            raise MarsError(f"input file not found: {input}") from None
-        except IsADirectoryError:
-            raise MarsError(f"input {input} is a directory, not a JSONL file") from None
-        except OSError as exc:
-            raise MarsError(f"cannot read {input}: {exc.strerror or exc}") from None
-    if b"\x00" in data:
-        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
-        raise MarsError(f"{name} is binary, not JSONL text (a NUL byte on line {line})")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise MarsError(
-            f"{name} is not UTF-8 text (byte 0x{data[exc.start]:02x} on line {line}); convert it to UTF-8"
-        ) from None
-    text = text.removeprefix("\ufeff")
+        data = read_bytes(input, "input file")
+    text = decode_text(data, name, "JSONL text").removeprefix("\ufeff")
     if not text:
         raise MarsError(f"{name} is empty: there are no records to generate")
     if not text.strip():

@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - older typer on top of click
 
 from . import cli_batch, cli_bench, cli_chat, cli_models
 from . import cli_common as opt
+from .cli_options import read_text_file
 from .errors import MarsError
 
 
@@ -153,7 +154,7 @@ def prompt_source(positional: Optional[str], prompt_opt: Optional[str], file: Op
     if file is not None:
         if file == "-":
             return read_prompt(None)
-        text = opt.read_text_file(file, "prompt")
+        text = read_text_file(file, "prompt")
         if not text.strip():
             raise MarsError(f"the prompt file {file} is empty")
         return text

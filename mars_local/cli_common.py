@@ -18,7 +18,6 @@ import os
 import sys
 import typing
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -190,89 +189,6 @@ def check_n_predict(n: int, option=None) -> None:
         flag = typed_flag((option or N_PREDICT).param_decls)
         raise MarsError(f"{flag}: the number of tokens to generate must be >= 1, or -1 (until an "
                         f"end-of-generation token or a full context), got {n}")
-
-
-def read_text_file(path: str, what: str, replace: bool = True) -> str:
-    """A UTF-8 text file given on the command line (invalid bytes replaced with one
-    warning, as standard input; ``replace=False``: refused); MarsError (one line)
-    when it cannot be read."""
-    try:
-        raw = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise MarsError(f"{what} file not found: {path}") from None
-    except IsADirectoryError:
-        raise MarsError(f"{what} file {path} is a directory") from None
-    except OSError as exc:
-        raise MarsError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
-    if b"\x00" in raw:
-        raise MarsError(f"{what} file {path} is binary, not text (it holds a NUL byte)")
-    if not replace:
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = raw.count(b"\n", 0, exc.start) + 1
-            raise MarsError(
-                f"{what} file {path} is not UTF-8 text (byte 0x{raw[exc.start]:02x} on line {line})"
-            ) from None
-    return decode_utf8(raw, f"{what} file {path}")
-
-
-_TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".tmpl", ".txt")
-
-
-def chat_template_option(value: Optional[str]) -> Optional[str]:
-    """--chat-template: Jinja text as given, an existing file's text, or a built-in
-    template name (the Engine checks names); a value that looks like a path but
-    is no file is an error here."""
-    if value is None:
-        return None
-    value = valid_utf8(value, "--chat-template")
-    if not value.strip():
-        raise MarsError("--chat-template is empty; give a template name (e.g. chatml) or a Jinja file")
-    if "{%" in value or "{{" in value:
-        return value  # Jinja source text
-    p = Path(value)
-    if p.exists():
-        text = read_text_file(value, "chat template", replace=False)
-        if not text.strip():
-            raise MarsError(f"chat template file {value} is empty")
-        return text
-    if os.sep in value or "/" in value or value.lower().endswith(_TEMPLATE_SUFFIXES):
-        raise MarsError(f"chat template file not found: {value}")
-    return value
-
-
-def check_template(template: str, given: str) -> None:
-    """A built-in template's name or Jinja that compiles (the Engine checks again), before
-    standard input is read or a model loads; a file's Jinja errors name the file."""
-    from .chat_builtin import check_chat_template
-
-    try:
-        check_chat_template(template)
-    except MarsError as exc:
-        if template is given:
-            raise
-        raise MarsError(f"--chat-template {given}: {exc}") from None
-
-
-def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Optional[str]) -> Optional[str]:
-    """GBNF text for --grammar FILE (or GBNF text itself, as llama.cpp's --grammar),
-    --json-schema FILE|JSON or --format json; at most one of them."""
-    from .grammar import load_grammar_option
-
-    if grammar is not None and "::=" in grammar and not Path(grammar).exists():
-        others = [n for n, v in (("--json-schema", json_schema), ("--format", fmt)) if v is not None]
-        if others:
-            raise MarsError(f"--grammar and {' and '.join(others)} cannot be combined; give one")
-        return grammar  # inline GBNF, as llama.cpp's --grammar takes it
-    if grammar is not None and not grammar.strip():
-        raise MarsError("--grammar is empty; give a GBNF file")
-    if json_schema is not None and not json_schema.strip():
-        raise MarsError("--json-schema is empty; give a JSON Schema (inline JSON or a file)")
-    text = load_grammar_option(grammar, json_schema, fmt)
-    if text is not None and not text.strip():
-        raise MarsError(f"the grammar file {grammar} is empty")
-    return text
 
 
 KIND_STYLE = {"draft": "green", "relaxed": "bold yellow", "target": ""}
@@ -481,6 +397,8 @@ class GenOptions:
     def template(self) -> Optional[str]:
         """--chat-template resolved (read once): Jinja text, or a name, or None."""
         if not hasattr(self, "_template"):
+            from .cli_options import chat_template_option, check_template
+
             self._template = chat_template_option(self.chat_template)
             if self._template is not None:
                 check_template(self._template, self.chat_template)
@@ -489,6 +407,8 @@ class GenOptions:
     def grammar_text(self) -> Optional[str]:
         """The GBNF of --grammar/--json-schema/--format (read and converted once), or None."""
         if not hasattr(self, "_grammar"):
+            from .cli_options import grammar_option
+
             self._grammar = grammar_option(self.grammar, self.json_schema, self.format)
         return self._grammar
 

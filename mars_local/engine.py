@@ -36,7 +36,7 @@ from .learned import LearnedStore, default_store
 from .runtime import Context, Model, build_fingerprint, check_vocab_compatible
 from .sampling import position_uniforms
 from .stats import SpecStats
-from .verify import VerifyConfig, VerifyResult, verify
+from .verify import VerifyResult, verify
 
 __all__ = ["Engine", "GenerateConfig", "Generation", "Chunk", "Stream"]
 
@@ -322,7 +322,7 @@ class Engine:
                 self._controllers.save()
 
     def _loop(self, run: _Run, t_start: float) -> Iterator[Chunk]:
-        clock, stats, tokens, drafter = time.perf_counter, run.stats, run.tokens, run.drafter
+        clock, stats, tokens = time.perf_counter, run.stats, run.tokens
         self._begin(run, t_start)
         use_native = native.available()  # the patched libllama's kernel; same results as numpy
         verify_window = native.verify if use_native else verify

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MarsError
+from .textfile import read_text
 
 __all__ = ["json_grammar", "grammar_from_json_schema", "load_grammar_option", "GrammarState"]
 
@@ -60,30 +61,17 @@ def load_grammar_option(grammar_file: str | Path | None = None, json_schema: str
     if len(given) > 1:
         raise MarsError(f"{' and '.join(given)} cannot be combined; give one")
     if grammar_file is not None:
-        return _read_text(Path(grammar_file), "grammar")
+        return read_text(grammar_file, "grammar file")
     if json_schema is not None:
         text = json_schema
         if not json_schema.lstrip().startswith("{"):
-            text = _read_text(Path(json_schema), "JSON schema")
+            text = read_text(json_schema, "JSON schema file")
         return grammar_from_json_schema(text)
     if format is not None:
         if format != "json":
             raise MarsError(f"--format must be json, got {format!r}")
         return json_grammar()
     return None
-
-
-def _read_text(path: Path, what: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise MarsError(f"{what} file not found: {path}") from None
-    except IsADirectoryError:
-        raise MarsError(f"{what} file is a directory: {path}") from None
-    except UnicodeDecodeError:
-        raise MarsError(f"{what} file is not UTF-8 text: {path}") from None
-    except OSError as exc:
-        raise MarsError(f"cannot read the {what} file {path}: {exc.strerror}") from None
 
 
 class GrammarState:

@@ -73,6 +73,31 @@ def tiny_other_vocab(tiny_dir) -> Path:
     return make_tiny_llama(tiny_dir / "other-vocab.gguf", seed=1, token_suffix="x")
 
 
+# Engines on the tiny models, one per test module: plain decoding, a draft model, n-gram lookup.
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    from mars_local import Engine
+
+    with Engine(tiny_target) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_target, tiny_draft):
+    from mars_local import Engine
+
+    with Engine(tiny_target, tiny_draft) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_target):
+    from mars_local import Engine
+
+    with Engine(tiny_target, drafter="ngram") as eng:
+        yield eng
+
+
 @pytest.fixture(scope="session")
 def not_gguf(tiny_dir) -> Path:
     p = tiny_dir / "notes.gguf"

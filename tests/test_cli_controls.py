@@ -9,7 +9,6 @@ the bottom use the tiny models.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner

@@ -22,24 +22,6 @@ PENALTIES = [dict(repeat_penalty=1.5), dict(frequency_penalty=0.8), dict(presenc
              dict(repeat_penalty=1.3, repeat_last_n=4, frequency_penalty=0.3, presence_penalty=0.2)]
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_target):
-    with Engine(tiny_target) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_target, tiny_draft):
-    with Engine(tiny_target, tiny_draft) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def ngram(tiny_target):
-    with Engine(tiny_target, drafter="ngram") as eng:
-        yield eng
-
-
 # ------------------------------------------------------------------ penalties
 @pytest.mark.parametrize("pen", PENALTIES)
 def test_plain_decoding_applies_llama_cpp_penalties(plain, pen):

@@ -13,24 +13,6 @@ from mars_local.sampling import SamplingParams, probabilities
 PROMPTS = ["hello world", "the a the a the", "w1 w2 w3 w4 w5", "!", "hello the world a hello"]
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_target):
-    with Engine(tiny_target) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def spec(tiny_target, tiny_draft):
-    with Engine(tiny_target, tiny_draft) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def ngram(tiny_target):
-    with Engine(tiny_target, drafter="ngram") as eng:
-        yield eng
-
-
 def test_strict_greedy_equals_plain_greedy_token_for_token(plain, spec, ngram):
     rng = np.random.default_rng(0)
     accepted = 0
@@ -66,7 +48,6 @@ def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, ngram, 
     """The n-gram draft is proposed before the choice; the controller sees its
     match-length keys and the target verifies exactly the prefix it chose."""
     from mars_local.adaptive import AdaptiveK
-    from mars_local.drafters import NgramDrafter
 
     calls, observed = [], []
     real_observe = AdaptiveK.observe

@@ -22,6 +22,7 @@ PURE = [
     "mars_local.controllers",
     "mars_local.drafters",
     "mars_local.tokens",
+    "mars_local.textfile",
     "mars_local.controls",
     "mars_local.grammar",
     "mars_local.learned",

@@ -1,0 +1,82 @@
+"""Parsing the CLI's file-or-text options: --file, --chat-template, --grammar/--json-schema/--format.
+
+Each returns what the API takes (text) or raises a one-line MarsError before a model loads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from .cli_common import decode_utf8, valid_utf8
+from .errors import MarsError
+from .textfile import decode_text, read_bytes
+
+
+def read_text_file(path: str, what: str, replace: bool = True) -> str:
+    """A UTF-8 text file given on the command line (invalid bytes replaced with one
+    warning, as standard input; ``replace=False``: refused); MarsError (one line)
+    when it cannot be read."""
+    raw = read_bytes(path, f"{what} file")
+    if not replace or b"\x00" in raw:
+        return decode_text(raw, f"{what} file {path}")
+    return decode_utf8(raw, f"{what} file {path}")
+
+
+_TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2", ".tmpl", ".txt")
+
+
+def chat_template_option(value: Optional[str]) -> Optional[str]:
+    """--chat-template: Jinja text as given, an existing file's text, or a built-in
+    template name (the Engine checks names); a value that looks like a path but
+    is no file is an error here."""
+    if value is None:
+        return None
+    value = valid_utf8(value, "--chat-template")
+    if not value.strip():
+        raise MarsError("--chat-template is empty; give a template name (e.g. chatml) or a Jinja file")
+    if "{%" in value or "{{" in value:
+        return value  # Jinja source text
+    p = Path(value)
+    if p.exists():
+        text = read_text_file(value, "chat template", replace=False)
+        if not text.strip():
+            raise MarsError(f"chat template file {value} is empty")
+        return text
+    if os.sep in value or "/" in value or value.lower().endswith(_TEMPLATE_SUFFIXES):
+        raise MarsError(f"chat template file not found: {value}")
+    return value
+
+
+def check_template(template: str, given: str) -> None:
+    """A built-in template's name or Jinja that compiles (the Engine checks again), before
+    standard input is read or a model loads; a file's Jinja errors name the file."""
+    from .chat_builtin import check_chat_template
+
+    try:
+        check_chat_template(template)
+    except MarsError as exc:
+        if template is given:
+            raise
+        raise MarsError(f"--chat-template {given}: {exc}") from None
+
+
+def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Optional[str]) -> Optional[str]:
+    """GBNF text for --grammar FILE (or GBNF text itself, as llama.cpp's --grammar),
+    --json-schema FILE|JSON or --format json; at most one of them."""
+    from .grammar import load_grammar_option
+
+    if grammar is not None and "::=" in grammar and not Path(grammar).exists():
+        others = [n for n, v in (("--json-schema", json_schema), ("--format", fmt)) if v is not None]
+        if others:
+            raise MarsError(f"--grammar and {' and '.join(others)} cannot be combined; give one")
+        return grammar  # inline GBNF, as llama.cpp's --grammar takes it
+    if grammar is not None and not grammar.strip():
+        raise MarsError("--grammar is empty; give a GBNF file")
+    if json_schema is not None and not json_schema.strip():
+        raise MarsError("--json-schema is empty; give a JSON Schema (inline JSON or a file)")
+    text = load_grammar_option(grammar, json_schema, fmt)
+    if text is not None and not text.strip():
+        raise MarsError(f"the grammar file {grammar} is empty")
+    return text
