@@ -16,7 +16,7 @@ try:  # typer >= 0.25 vendors its own click
 except ImportError:  # pragma: no cover - older typer on top of click
     from click import exceptions as cx
 
-from . import cli_batch, cli_bench, cli_chat, cli_models
+from . import cli_batch, cli_bench, cli_chat, cli_models, cli_serve
 from . import cli_common as opt
 from .cli_options import read_text_file
 from .errors import MarsError
@@ -256,6 +256,7 @@ app.command()(cli_models.models)
 app.command()(cli_models.pull)
 app.command()(cli_models.doctor)
 app.command()(cli_bench.bench)
+app.command()(cli_serve.serve)
 
 
 def main() -> None:

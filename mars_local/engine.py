@@ -278,6 +278,8 @@ class Engine:
             )
 
     def _make_drafter(self, cfg: GenerateConfig, seed: int, controls: Controls) -> Drafter:
+        if cfg.draft_max == 0:  # speculation off for this generation: nothing drafts (nor reads the prompt)
+            return Drafter()
         if self.drafter_kind == "model":
             return ModelDrafter(
                 self._draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min,
@@ -295,7 +297,7 @@ class Engine:
     def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
         """The draft-length controller for ``cfg`` (None: k stays at draft_max)."""
         k_max = min(cfg.draft_max, self._k_limit)
-        return self._controllers.for_config(cfg, k_max) if self.drafter_kind != "none" else None
+        return self._controllers.for_config(cfg, k_max) if self.drafter_kind != "none" and k_max > 0 else None
 
     def _run(self, run: _Run) -> Iterator[Chunk]:
         """The loop, with the Engine held and the stats finalized on every way out."""

@@ -1,0 +1,76 @@
+"""``mars serve``: an OpenAI-compatible local server with per-request speculation.
+
+One loaded pair serves requests in arrival order (:mod:`.worker`); each request
+may choose its own speculation with the ``speculative`` extension object
+(:mod:`.requests`), and every ``usage`` reports what drafting did
+(:mod:`.responses`).  The app is FastAPI with sse-starlette for streams
+(:mod:`.app`), served by uvicorn on a socket bound here first, so that a busy
+port is one clear error line and ``--port 0`` picks a free one.
+
+Needs the ``server`` extra (``pip install 'mars-local[server]'``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Callable
+
+from ..errors import MarsError
+
+__all__ = ["bind", "is_loopback", "run_server", "check_installed"]
+
+
+def check_installed() -> None:
+    """A one-line MarsError when the server's libraries are missing."""
+    missing = []
+    for mod in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod.replace("_", "-"))
+    if missing:
+        raise MarsError(f"mars serve needs {', '.join(missing)}: pip install 'mars-local[server]'")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; a MarsError naming both and the reason when it cannot be."""
+    if not 0 <= port <= 65535:
+        raise MarsError(f"--port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise MarsError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise MarsError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(app, sock: socket.socket, on_ready: Callable[[], None] | None = None) -> None:
+    """Serve ``app`` on ``sock`` until Ctrl-C or SIGTERM (uvicorn; its access log off:
+    the app logs one line per generation)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
+                            lifespan="on")
+    server = uvicorn.Server(config)
+    if on_ready is not None:
+        on_ready()
+    server.run(sockets=[sock])

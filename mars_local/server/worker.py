@@ -1,0 +1,177 @@
+"""One thread runs the generations, one at a time, in arrival order.
+
+The Engine is single-threaded state (its KV caches are the prefix cache that
+requests sharing a system prompt reuse), so every llama.cpp call — tokenizing
+included — happens on the worker thread.  Requests wait in a bounded queue
+(``--queue``); a full queue refuses new ones (503 with Retry-After) instead
+of letting latency grow without bound.
+
+A :class:`Job` is one request's way through: the worker reports
+``("start", n_prompt)``, then ``("chunk", Chunk)`` per verify round, then
+``("done", SpecStats)`` — or ``("error", ApiError)`` — to the event loop's
+queue.  :meth:`Job.cancel` (a client that went away) is seen by the worker
+after the round in progress: the stream is closed and the engine is free
+for the next request.  Several sequences decoded in one batch would replace
+this loop with a scheduler over the same Job interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+from ..errors import MarsError
+from .requests import ApiError, Request
+
+__all__ = ["Job", "Worker"]
+
+_ids = itertools.count(1)
+
+
+class Job:
+    """One request in the queue or on the engine."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, endpoint: str = ""):
+        self.request, self.endpoint = request, endpoint
+        self.number = next(_ids)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self._loop = loop
+        self._cancel = threading.Event()
+        self.rounds_at_cancel: int | None = None  # stats.n_rounds when cancel() was called
+        self.stats = None  # the SpecStats while it runs, final once done
+        self.t_submit = time.monotonic()
+        self.t_start: float | None = None
+        self.t_first: float | None = None  # the first chunk with text or tokens
+
+    def cancel(self) -> None:
+        """Stop at the end of the round in progress (or never start)."""
+        if not self._cancel.is_set():
+            self.rounds_at_cancel = self.stats.n_rounds if self.stats is not None else 0
+            self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, kind: str, value: Any = None) -> None:
+        """Hand an event to the event loop (from the worker thread)."""
+        try:
+            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the loop has closed (server shutdown)
+            pass
+
+
+class Worker:
+    """The generation thread over one engine, fed by a bounded queue."""
+
+    def __init__(self, engine, queue_size: int, on_done: Callable[[Job, str], None] | None = None):
+        if queue_size < 1:
+            raise MarsError(f"--queue must be >= 1, got {queue_size}")
+        self.engine, self.queue_size = engine, queue_size
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._on_done = on_done
+        self.running: Job | None = None
+        self._thread = threading.Thread(target=self._serve, name="mars-generate", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._q.qsize()
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._q.put_nowait(job)
+        except queue.Full:
+            raise ApiError(503, f"the server is busy ({self.queue_size} requests are waiting); retry later",
+                           type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what runs and waits, and end the thread."""
+        if self.running is not None:
+            self.running.cancel()
+        while True:
+            try:
+                job = self._q.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
+        self._q.put(None)
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the thread
+    def _serve(self) -> None:
+        while (job := self._q.get()) is not None:
+            self.running = job
+            outcome, final = "error", None
+            try:
+                outcome, final = self._generate(job)
+            except BaseException as exc:  # never let one request end the thread
+                print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                final = ("error", ApiError(500, f"generation failed: {exc}", type="server_error"))
+            finally:
+                self.running = None
+                if self._on_done is not None:  # before the last event: the metrics are current when it arrives
+                    try:
+                        self._on_done(job, outcome)
+                    except Exception as exc:  # pragma: no cover - metrics must not stop the worker
+                        print(f"mars serve: metrics: {exc}", file=sys.stderr)
+            if final is not None:
+                job.emit(*final)
+
+    def _prompt(self, req: Request) -> list[int]:
+        eng = self.engine
+        if req.kind == "chat":
+            if not eng.has_chat_template:
+                raise ApiError(400, "the model has no chat template; start the server with --chat-template "
+                               "NAME|FILE or use /v1/completions", param="messages")
+            toks = eng.chat_prompt(req.messages)
+        else:
+            toks = eng.tokenize(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        if len(toks) >= eng.n_ctx:
+            param = "messages" if req.kind == "chat" else "prompt"
+            raise ApiError(400, f"the prompt is {len(toks)} tokens but the context holds {eng.n_ctx}; "
+                           "shorten it or start the server with a larger -c", param=param,
+                           code="context_length_exceeded")
+        return toks
+
+    def _pieces(self, chunk) -> dict[int, bytes] | None:
+        """The bytes of every token a chunk's log probabilities name (llama.cpp is
+        called on this thread only)."""
+        if not chunk.logprobs:
+            return None
+        ids = {lp.token for lp in chunk.logprobs} | {t for lp in chunk.logprobs for t, _ in lp.top}
+        return {t: self.engine.piece(t) for t in ids}
+
+    def _generate(self, job: Job) -> tuple[str, tuple | None]:
+        """Run one job: its outcome (for the log and the metrics) and its last event."""
+        if job.cancelled:
+            return "cancelled", None
+        job.t_start = time.monotonic()
+        try:
+            tokens = self._prompt(job.request)
+            stream = self.engine.stream(tokens, job.request.config)
+        except ApiError as exc:
+            return "rejected", ("error", exc)
+        except MarsError as exc:
+            return "rejected", ("error", ApiError(400, str(exc)))
+        job.stats = stream.stats
+        job.emit("start", len(tokens))
+        try:
+            for chunk in stream:
+                if job.t_first is None and (chunk.tokens or chunk.text):
+                    job.t_first = time.monotonic()
+                job.emit("chunk", (chunk, self._pieces(chunk)))
+                if job.cancelled:
+                    break
+        except MarsError as exc:
+            return "error", ("error", ApiError(500, str(exc), type="server_error"))
+        finally:
+            stream.close()
+        return ("cancelled" if job.cancelled else "ok"), ("done", stream.stats)

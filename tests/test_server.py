@@ -1,0 +1,180 @@
+"""The server's app in-process over the scripted FakeEngine (no GGUF): routes, errors, SSE, metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastapi.testclient import TestClient
+
+from fake_engine import FakeEngine
+from mars_local.generation import GenerateConfig
+from mars_local.server.app import MAX_BODY, ServerSettings, create_app
+
+KEY = "sekrit"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def client(engine=None, **settings) -> TestClient:
+    eng = engine or FakeEngine(reply="hello world", chunk=2)
+    s = ServerSettings(GenerateConfig.make(max_tokens=-1), "fake", ("fake.gguf",), **{"api_key": KEY, "log": False,
+                                                                                        **settings})
+    c = TestClient(create_app(eng, s), raise_server_exceptions=False)
+    c.engine = eng
+    return c
+
+
+@pytest.fixture
+def api():
+    with client() as c:
+        yield c
+
+
+def err(r, status: int, code=None, param=None) -> dict:
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    if code is not None:
+        assert e["code"] == code
+    if param is not None:
+        assert e["param"] == param
+    return e
+
+
+def sse(r) -> list:
+    events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_chat_completion(api):
+    r = api.post("/v1/chat/completions", json={**CHAT, "model": "fake"}, headers=AUTH)
+    body = r.json()
+    assert r.status_code == 200 and body["object"] == "chat.completion" and body["model"] == "fake"
+    assert body["choices"][0]["message"]["content"] == "hello world"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == len("hello world")
+    assert body["usage"]["speculative"]["rounds"] == 6  # 11 tokens in chunks of 2
+
+
+def test_request_fields_reach_the_engine(api):
+    api.post("/v1/chat/completions", headers=AUTH, json={
+        **CHAT, "max_tokens": 5, "temperature": 0.5, "stop": ["x"], "seed": 7,
+        "speculative": {"verify": "strict", "draft_max": 3}})
+    api.post("/v1/chat/completions", headers=AUTH, json={**CHAT, "speculative": {"enabled": False}})
+    a, b = api.engine.configs
+    assert (a.max_tokens, a.sampling.temperature, a.stop, a.sampling.seed, a.verify, a.draft_max) == \
+        (5, 0.5, ("x",), 7, "strict", 3)
+    assert (b.draft_max, b.adaptive, b.max_tokens) == (0, False, -1)
+
+
+def test_stream_with_usage(api):
+    r = api.post("/v1/chat/completions", headers=AUTH,
+                 json={**CHAT, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse(r)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == "hell"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+    assert len({e["id"] for e in events}) == 1
+
+
+def test_completion_stream_without_usage(api):
+    r = api.post("/v1/completions", headers=AUTH, json={"prompt": "ab", "stream": True, "logprobs": 1})
+    events = sse(r)
+    assert "".join(e["choices"][0]["text"] for e in events) == "hello world"
+    assert all("usage" not in e for e in events)
+    lp = [t for e in events[:-1] for t in e["choices"][0]["logprobs"]["tokens"]]
+    assert "".join(lp) == "hello world"
+
+
+def test_models_and_health(api):
+    assert api.get("/health").json()["status"] == "ok"  # no key needed
+    assert [m["id"] for m in api.get("/v1/models", headers=AUTH).json()["data"]] == ["fake"]
+    err(api.get("/v1/models"), 401, "invalid_api_key")
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                                     {"Authorization": f"Basic {KEY}"}])
+def test_wrong_key_is_401(api, headers):
+    err(api.post("/v1/chat/completions", json=CHAT, headers=headers), 401, "invalid_api_key")
+    err(api.get("/metrics", headers=headers), 401)
+    assert api.engine.calls == []
+
+
+def test_unknown_model_is_404(api):
+    err(api.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"}, headers=AUTH), 404, "model_not_found", "model")
+    assert api.post("/v1/chat/completions", json={**CHAT, "model": "fake.gguf"}, headers=AUTH).status_code == 200
+
+
+@pytest.mark.parametrize("body, status, code, param", [
+    (b"{not json", 400, "invalid_json", None),
+    (b'{"messages": NaN}', 400, "invalid_json", None),
+    (b"\xff\xfe", 400, "invalid_json", None),
+    (b"[]", 400, None, None),
+    (json.dumps({**CHAT, "speculative": {"theta": 2}}).encode(), 400, None, "speculative.theta"),
+    (json.dumps({**CHAT, "n": 3}).encode(), 400, None, "n"),
+    (json.dumps({**CHAT, "max_tokens": "9"}).encode(), 400, None, "max_tokens"),
+])
+def test_bad_bodies(api, body, status, code, param):
+    err(api.post("/v1/chat/completions", content=body, headers=AUTH), status, code, param)
+    assert api.engine.calls == []
+
+
+def test_a_body_over_the_limit_is_413(api):
+    e = err(api.post("/v1/completions", content=b"x" * (MAX_BODY + 10), headers=AUTH), 413, "request_too_large")
+    assert "MiB" in e["message"]
+    assert api.post("/v1/completions", json={"prompt": "a"}, headers=AUTH).status_code == 200
+
+
+def test_prompt_over_the_context():
+    eng = FakeEngine(reply="hello world", n_ctx_asked=256)
+    with client(eng) as c:
+        err(c.post("/v1/completions", json={"prompt": "x" * 300}, headers=AUTH), 400, "context_length_exceeded", "prompt")
+        err(c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 300}]}, headers=AUTH),
+            400, "context_length_exceeded", "messages")
+        assert c.post("/v1/completions", json={"prompt": "x"}, headers=AUTH).status_code == 200
+
+
+def test_engine_refusals_are_400_and_failures_500_and_the_server_goes_on():
+    eng = FakeEngine(reply="hello world", fail_on="BAD", has_chat_template=False)
+    with client(eng) as c:
+        err(c.post("/v1/completions", json={"prompt": "a BAD prompt"}, headers=AUTH), 400)
+        err(c.post("/v1/chat/completions", json=CHAT, headers=AUTH), 400, None, "messages")  # no chat template
+        eng.interrupt_after = 1  # the engine raises in the middle of a generation
+        err(c.post("/v1/completions", json={"prompt": "a"}, headers=AUTH), 500)
+        eng.interrupt_after = None
+        assert c.post("/v1/completions", json={"prompt": "a"}, headers=AUTH).json()["choices"][0]["text"] == "hello world"
+
+
+def test_unknown_routes_and_methods_have_the_error_shape(api):
+    err(api.get("/v1/nothing", headers=AUTH), 404)
+    err(api.get("/v1/chat/completions", headers=AUTH), 405)
+
+
+def metric(c, name: str) -> float:
+    for line in c.get("/metrics", headers=AUTH).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_move_by_what_the_request_reports(api):
+    names = ["mars_tokens_generated_total", "mars_tokens_drafted_total", "mars_tokens_accepted_total",
+             "mars_tokens_relaxed_total", "mars_rounds_total", "mars_prompt_tokens_total",
+             'mars_requests_total{endpoint="/v1/chat/completions",status="200"}', "mars_mean_accepted_length_count"]
+    before = {n: metric(api, n) for n in names}
+    u = api.post("/v1/chat/completions", json=CHAT, headers=AUTH).json()["usage"]
+    after = {n: metric(api, n) for n in names}
+    d = {n: after[n] - before[n] for n in names}
+    s = u["speculative"]
+    assert d["mars_tokens_generated_total"] == u["completion_tokens"] > 0
+    assert d["mars_prompt_tokens_total"] == u["prompt_tokens"]
+    assert (d["mars_tokens_drafted_total"], d["mars_tokens_accepted_total"], d["mars_tokens_relaxed_total"],
+            d["mars_rounds_total"]) == (s["drafted"], s["accepted"], s["relaxed"], s["rounds"])
+    assert d['mars_requests_total{endpoint="/v1/chat/completions",status="200"}'] == 1
+    assert d["mars_mean_accepted_length_count"] == 1
