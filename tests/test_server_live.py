@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -220,3 +221,57 @@ def test_strict_greedy_chat_on_smollm2_equals_mars_run_chat(smollm2):
     pieces = [bytes(t["bytes"]) for t in body["choices"][0]["logprobs"]["content"]]
     assert len(pieces) == len(ran["tokens"]) and b"".join(pieces).decode() == ran["text"]
     assert body["usage"]["completion_tokens"] == len(ran["tokens"])
+
+
+def test_a_shared_system_prompt_is_taken_from_the_kv_cache(oa):
+    system = "You are a terse assistant. " * 8
+
+    def ask(q):
+        return oa.chat.completions.create(model="target", max_tokens=4, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": q}])
+
+    other = oa.completions.create(model="target", prompt="something else entirely", max_tokens=4)
+    first = ask("first question")
+    assert first.usage.prompt_tokens_details.cached_tokens <= 2  # nothing shared with the request before
+    second = ask("second question")
+    # the system prompt (and the template's markup up to the user's text) came from the cache
+    assert len(system) // 4 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens - 1
+    again = ask("second question")
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1  # all but the last
+    assert again.choices[0].message.content == second.choices[0].message.content
+    assert other.usage.prompt_tokens_details.cached_tokens <= 2
+
+
+def run_mars(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("mars")), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_bad_serve_flags_are_one_line_before_the_model_loads(tiny_target, server):
+    port = server.base.rsplit(":", 1)[1]
+    for args, words in [(["--port", "70000"], "--port must be in 0..65535"),
+                        (["--port", port], f"cannot listen on 127.0.0.1:{port}"),
+                        (["--queue", "0"], "--queue must be >= 1"),
+                        (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid"),
+                        (["-m", "/nonexistent.gguf"], "not found")]:
+        out = run_mars("serve", "-m", str(tiny_target), *args)
+        err = out.stderr.strip()
+        assert out.returncode == 2 and words in err and "\n" not in err and "Traceback" not in err, (args, err)
+
+
+def test_ctrl_c_stops_a_server_in_the_middle_of_a_stream(tiny_target):
+    s = LiveServer.start("-m", tiny_target, "--drafter", "ngram")
+    try:
+        with httpx.stream("POST", f"{s.url}/completions", timeout=60, json={
+                "prompt": "long", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    break
+            t0 = time.monotonic()
+            s.proc.send_signal(signal.SIGINT)
+            s.proc.wait(20)
+            assert time.monotonic() - t0 < 15
+    finally:
+        s.stop()
+    assert s.proc.returncode == 130  # Ctrl-C's exit code, as every mars command
+    assert not any("Traceback" in line for line in s.lines), s.lines
