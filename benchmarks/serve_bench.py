@@ -1,0 +1,561 @@
+#!/usr/bin/env python3
+"""Serving throughput and latency: `mars serve` against llama-server, with N concurrent clients.
+
+    .venv/bin/python benchmarks/serve_bench.py -m TARGET.gguf -md DRAFT.gguf \\
+        [--clients 1,4] [--requests 2] [-n 64] [-t 2] [-c 4096] [--verify strict] \\
+        [--llama-bin .cache/llama-bin | --no-peers] [--prompts FILE] [--json OUT.json]
+
+What it measures.  For each configuration and each client count N, N client
+threads (one httpx client each) start together and each sends --requests
+requests one after the other: POST /v1/chat/completions, streamed with
+``stream_options.include_usage``, temperature 0, ``max_tokens`` -n and
+``ignore_eos`` (so every server generates exactly -n tokens per request).
+Client i's j-th request uses prompt (i + j) mod P of the prompt list.  Per row:
+
+  req/s      requests / wall time of the whole run (first send to last byte)
+  tok/s      sum of completion tokens / the same wall time
+  TTFT       time from sending a request to its first streamed chunk with
+             non-empty text (mean and median over the run's requests)
+  tau        mean over requests of usage.speculative.mean_accepted_length
+             (tokens per target forward), where the server reports it
+  accept     accepted / drafted draft tokens, summed over the run, where the
+             server reports them (mars: usage.speculative; llama-server:
+             timings.draft_n / draft_n_accepted)
+
+Configurations:
+
+  mars spec           one `mars serve -m T -md D` process, requests with
+                      "speculative": {"enabled": true}
+  mars plain          the same process, requests with "speculative": {"enabled": false}
+                      (the per-request switch: no restart)
+  llama-server plain  `llama-server -m T -np N`
+  llama-server spec   `llama-server -m T -md D -np N` (draft-simple, --spec-draft-n-max K)
+
+`mars serve` answers one request at a time in arrival order; llama-server is
+started with -np N (N slots, one per client, decoded together in one batch:
+its normal way of serving concurrent clients; -c is split among the slots),
+so each llama-server row has its own process.  Every server gets one short
+warm-up request per configuration (not counted) before its timed run, and is
+stopped (SIGINT, then kill) at the end, on errors and on Ctrl-C too.
+
+Completion tokens come from ``usage.completion_tokens`` of the final chunk;
+for a llama-server without it, from ``timings.predicted_n``, else by counting
+streamed chunks with text (the row's ``tokens_from`` says which).
+
+llama-server comes from --llama-bin (default .cache/llama-bin, built by
+benchmarks/build_llama_tools.sh); without it the llama-server rows are skipped
+with a note.  Errors (a missing file, a server that does not start) are one
+line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_LLAMA_BIN = ROOT / ".cache" / "llama-bin"
+DEFAULT_DRAFT_MAX = 8  # mars' default draft length (GenerateConfig.draft_max); llama-server gets it too
+MARS_READY = re.compile(r"mars serve: .* on (http://\S+)/v1")
+
+PROMPTS = [
+    "Explain in three sentences why the sky is blue.",
+    "Write a short poem about a lighthouse keeper.",
+    "List five tips for writing clean Python code.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "Translate to French: 'The train leaves at seven in the morning.'",
+    "What is the difference between a list and a tuple in Python?",
+    "Give a recipe for a simple tomato soup.",
+    "Describe how a binary search works, step by step.",
+]
+
+CONFIGS = ("mars spec", "mars plain", "llama-server plain", "llama-server spec")
+
+
+class BenchError(Exception):
+    """A problem reported as one line on stderr (exit code 2)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage block
+        sys.stderr.write(f"serve_bench: error: {message}\n")
+        raise SystemExit(2)
+
+
+# ---------------------------------------------------------------- servers
+class Server:
+    """A server process whose output (stdout and stderr) is read by a thread into
+    its last lines, so the pipe never fills."""
+
+    def __init__(self, name: str, cmd: list[str]):
+        self.name, self.cmd = name, cmd
+        self.lines: collections.deque[str] = collections.deque(maxlen=200)
+        self.url: str | None = None  # base URL, without /v1
+        self._ready_url = threading.Event()
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.STDOUT, text=True, errors="replace",
+                                         start_new_session=True)  # Ctrl-C reaches us, not it: we stop it
+        except OSError as exc:
+            raise BenchError(f"cannot start {name}: {exc}") from None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            m = MARS_READY.search(line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._ready_url.set()
+        self._ready_url.set()  # the process ended
+
+    def tail(self, n: int = 3) -> str:
+        last = [ln.strip() for ln in self.lines if ln.strip()][-n:]
+        return " | ".join(last) if last else "no output"
+
+    def _failed(self, why: str) -> BenchError:
+        return BenchError(f"{self.name} {why}: {self.tail()}")
+
+    def wait_ready_line(self, timeout: float) -> None:
+        """mars serve: its ready line carries the URL (it was started with --port 0)."""
+        if not self._ready_url.wait(timeout):
+            raise self._failed(f"did not print its ready line within {timeout:.0f} s")
+        if self.url is None:
+            time.sleep(0.2)  # let the reader take the last lines
+            raise self._failed(f"exited with {self.proc.wait()} before it was ready")
+
+    def wait_health(self, url: str, timeout: float) -> None:
+        """llama-server: GET /health answers 200 once the model is loaded (503 while loading)."""
+        import httpx
+
+        self.url = url
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                time.sleep(0.2)
+                raise self._failed(f"exited with {self.proc.returncode} before it was ready")
+            try:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise self._failed(f"was not healthy within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGINT)
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            except OSError:
+                pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mars_command(a: argparse.Namespace, max_clients: int) -> list[str]:
+    exe = Path(sys.executable).with_name("mars")
+    base = [str(exe)] if exe.is_file() else [sys.executable, "-m", "mars_local"]
+    cmd = base + ["serve", "-m", a.model, "-md", a.draft, "--host", "127.0.0.1", "--port", "0",
+                  "-t", str(a.threads), "-c", str(a.ctx_size), "--verify", a.verify, "--temp", "0",
+                  "--queue", str(max(64, 2 * max_clients)), "--quiet"]
+    if a.ngl is not None:
+        cmd += ["-ngl", a.ngl, "-ngld", a.ngl]
+    return cmd
+
+
+class LlamaServer:
+    """llama-server's binary and its flags, spelled as its --help says."""
+
+    def __init__(self, bin_dir: Path):
+        self.binary = bin_dir / "llama-server"
+        if not (self.binary.is_file() and os.access(self.binary, os.X_OK)):
+            raise FileNotFoundError(self.binary)
+        try:
+            p = subprocess.run([str(self.binary), "--help"], capture_output=True, text=True, errors="replace",
+                               timeout=60, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise BenchError(f"cannot run {self.binary} --help: {exc}") from None
+        self.help = (p.stdout or "") + (p.stderr or "")
+
+    def has(self, flag: str) -> bool:
+        return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", self.help) is not None
+
+    def command(self, a: argparse.Namespace, spec: bool, n_clients: int, port: int) -> list[str]:
+        cmd = [str(self.binary), "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(a.threads), "-c", str(a.ctx_size), "-np", str(n_clients)]
+        if a.ngl is not None:
+            cmd += ["-ngl", a.ngl]
+        if self.has("--no-webui"):
+            cmd.append("--no-webui")
+        if spec:
+            cmd += ["-md", a.draft]
+            if self.has("--spec-type"):
+                cmd += ["--spec-type", "draft-simple"]
+            # current llama.cpp: --spec-draft-n-max (its --draft-max is a removed flag that errors)
+            cmd += ["--spec-draft-n-max" if self.has("--spec-draft-n-max") else "--draft-max",
+                    str(a.draft_max or DEFAULT_DRAFT_MAX)]
+            if a.ngl is not None:
+                cmd += ["-ngld", a.ngl]
+        return cmd
+
+
+# --------------------------------------------------------------- requests
+def request_body(a: argparse.Namespace, config: str, prompt: str, max_tokens: int) -> dict:
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
+    if config == "mars spec":
+        body["speculative"] = {"enabled": True, **({"draft_max": a.draft_max} if a.draft_max else {})}
+    elif config == "mars plain":
+        body["speculative"] = {"enabled": False}
+    return body
+
+
+def stream_one(client, url: str, body: dict) -> dict:
+    """Send one streamed chat request; its TTFT, token count (and where from) and speculative stats."""
+    import httpx
+
+    try:
+        return _stream_one(client, url, body)
+    except httpx.HTTPError as exc:
+        raise BenchError(f"request to {url} failed: {type(exc).__name__}: {exc}") from None
+    except ValueError as exc:  # a chunk that is not JSON
+        raise BenchError(f"bad stream from {url}: {exc}") from None
+
+
+def _stream_one(client, url: str, body: dict) -> dict:
+    t0 = time.perf_counter()
+    ttft = None
+    usage = timings = None
+    text_chunks = 0
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            try:
+                msg = r.json()["error"]["message"]
+            except Exception:
+                msg = r.text.strip()[:200]
+            raise BenchError(f"HTTP {r.status_code} from {url}: {msg}")
+        for line in r.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise BenchError(f"error from {url} mid-stream: {chunk['error']}")
+            for ch in chunk.get("choices") or []:
+                if (ch.get("delta") or {}).get("content"):
+                    text_chunks += 1
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+            if isinstance(chunk.get("usage"), dict):
+                usage = chunk["usage"]
+            if isinstance(chunk.get("timings"), dict):
+                timings = chunk["timings"]
+    out = {"ttft_s": ttft, "latency_s": time.perf_counter() - t0, "tau": None, "drafted": None, "accepted": None}
+    if usage and isinstance(usage.get("completion_tokens"), int):
+        out["tokens"], out["tokens_from"] = usage["completion_tokens"], "usage"
+    elif timings and isinstance(timings.get("predicted_n"), int):
+        out["tokens"], out["tokens_from"] = timings["predicted_n"], "timings.predicted_n"
+    else:
+        out["tokens"], out["tokens_from"] = text_chunks, "chunks"
+    spec = (usage or {}).get("speculative")
+    if isinstance(spec, dict):  # mars serve
+        out.update(tau=spec.get("mean_accepted_length"), drafted=spec.get("drafted"), accepted=spec.get("accepted"))
+    elif timings and "draft_n" in timings:  # llama-server (only when it drafted)
+        out.update(drafted=timings["draft_n"], accepted=timings.get("draft_n_accepted"))
+    return out
+
+
+def run_config(a: argparse.Namespace, config: str, url: str, n_clients: int, prompts: list[str],
+               stop: threading.Event) -> dict:
+    """N client threads, each sending --requests requests in turn; one row."""
+    import httpx
+
+    barrier = threading.Barrier(n_clients + 1)
+    timeout = httpx.Timeout(a.timeout, connect=30.0)
+
+    def client(i: int) -> list[dict]:
+        results = []
+        with httpx.Client(timeout=timeout) as c:
+            barrier.wait(60)
+            for j in range(a.requests):
+                if stop.is_set():
+                    break
+                body = request_body(a, config, prompts[(i + j) % len(prompts)], a.max_tokens)
+                results.append(stream_one(c, url, body))
+        return results
+
+    pool = ThreadPoolExecutor(max_workers=n_clients, thread_name_prefix="client")
+    try:
+        futures = [pool.submit(client, i) for i in range(n_clients)]
+        try:
+            barrier.wait(60)
+        except threading.BrokenBarrierError:
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception() from None
+            raise BenchError(f"{config}: the {n_clients} client threads did not start") from None
+        t0 = time.perf_counter()
+        pending = set(futures)
+        while pending:  # a timeout keeps Ctrl-C responsive
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    stop.set()
+                    raise f.exception()
+        wall = time.perf_counter() - t0
+    except BaseException:
+        stop.set()
+        barrier.abort()
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    res = [r for f in futures for r in f.result()]
+    tokens = sum(r["tokens"] for r in res)
+    ttfts = [r["ttft_s"] * 1000 for r in res if r["ttft_s"] is not None]
+    taus = [r["tau"] for r in res if r["tau"] is not None]
+    drafted = sum(r["drafted"] or 0 for r in res)
+    accepted = sum(r["accepted"] or 0 for r in res)
+    reported = any(r["drafted"] is not None for r in res)
+    return {
+        "config": config,
+        "clients": n_clients,
+        "requests": len(res),
+        "max_tokens": a.max_tokens,
+        "completion_tokens": tokens,
+        "tokens_from": ",".join(sorted({r["tokens_from"] for r in res})),
+        "wall_s": wall,
+        "requests_per_s": len(res) / wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_mean_ms": statistics.fmean(ttfts) if ttfts else None,
+        "ttft_median_ms": statistics.median(ttfts) if ttfts else None,
+        "tau": statistics.fmean(taus) if taus else None,
+        "drafted": drafted if reported else None,
+        "accepted": accepted if reported else None,
+        "acceptance_rate": (accepted / drafted if drafted else None) if reported else None,
+    }
+
+
+def warm_up(a: argparse.Namespace, config: str, url: str, prompts: list[str]) -> None:
+    import httpx
+
+    with httpx.Client(timeout=httpx.Timeout(a.timeout, connect=30.0)) as c:
+        stream_one(c, url, request_body(a, config, prompts[0], min(4, a.max_tokens)))
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = OneLineParser(prog="serve_bench.py", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", required=True, help="Target GGUF file.")
+    p.add_argument("-md", "--model-draft", dest="draft", required=True, help="Draft GGUF file (same tokenizer).")
+    p.add_argument("--clients", default="1,4", help="Concurrent clients, a comma list: each config runs at each N "
+                                                      "(default 1,4).")
+    p.add_argument("--requests", type=int, default=2, help="Requests per client (default 2).")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="max_tokens of each request (default 64).")
+    p.add_argument("-t", "--threads", type=int, default=2, help="Threads, passed to both servers (default 2).")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="Context size, passed to both servers "
+                                                                     "(default 4096).")
+    p.add_argument("--verify", choices=("strict", "mars"), default="strict",
+                   help="mars serve's --verify (default strict).")
+    p.add_argument("--draft-max", type=int, default=None,
+                   help=f"Draft length: llama-server's --spec-draft-n-max (default {DEFAULT_DRAFT_MAX}, mars' default) "
+                        "and, when given, the mars requests' speculative.draft_max.")
+    p.add_argument("-ngl", dest="ngl", default=None,
+                   help="GPU layers for target and draft, passed to both servers (default: their own).")
+    p.add_argument("--prompts", default=None,
+                   help="A file of prompts: a JSON array of strings, or one prompt per line "
+                        f"(default: {len(PROMPTS)} built-in instruction prompts).")
+    p.add_argument("--llama-bin", default=str(DEFAULT_LLAMA_BIN),
+                   help="Folder with llama-server (default .cache/llama-bin, from benchmarks/build_llama_tools.sh).")
+    p.add_argument("--no-peers", action="store_true", help="Skip llama-server.")
+    p.add_argument("--json", default=None, metavar="OUT", help="Write all rows (and the settings) to this file.")
+    p.add_argument("--timeout", type=float, default=600.0, help="Seconds one request may take (default 600).")
+    p.add_argument("--startup-timeout", type=float, default=300.0,
+                   help="Seconds a server may take to load and be ready (default 300).")
+    a = p.parse_args(argv)
+    try:
+        a.clients_list = [int(x) for x in a.clients.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--clients must be a comma list of integers, got {a.clients!r}")
+    if not a.clients_list or min(a.clients_list) < 1:
+        p.error(f"--clients must be integers >= 1, got {a.clients!r}")
+    a.clients_list = list(dict.fromkeys(a.clients_list))
+    for name, v, lo in (("--requests", a.requests, 1), ("-n/--max-tokens", a.max_tokens, 1),
+                        ("-t/--threads", a.threads, 1), ("-c", a.ctx_size, 0), ("--draft-max", a.draft_max, 1)):
+        if v is not None and v < lo:
+            p.error(f"{name} must be >= {lo}, got {v}")
+    return a
+
+
+def load_prompts(path: str | None) -> list[str]:
+    if path is None:
+        return list(PROMPTS)
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BenchError(f"--prompts: cannot read {path}: {exc}") from None
+    if p.suffix == ".json":
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BenchError(f"--prompts: {path} is not valid JSON: {exc}") from None
+        if not isinstance(prompts, list) or not all(isinstance(x, str) for x in prompts):
+            raise BenchError(f"--prompts: {path} must hold a JSON array of strings")
+    else:
+        prompts = [ln.strip() for ln in text.splitlines()]
+    prompts = [x for x in prompts if x.strip()]
+    if not prompts:
+        raise BenchError(f"--prompts: {path} holds no prompts")
+    return prompts
+
+
+def fmt(v, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| config | clients | requests | req/s | tok/s | TTFT mean ms | TTFT median ms | τ | accept |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['config']} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | "
+                   f"{r['tokens_per_s']:.1f} | {fmt(r['ttft_mean_ms'], '.0f')} | {fmt(r['ttft_median_ms'], '.0f')} | "
+                   f"{fmt(r['tau'], '.2f')} | {fmt(r['acceptance_rate'], '.0%')} |")
+    return "\n".join(out)
+
+
+def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> dict:
+    for flag, path in (("-m", a.model), ("-md", a.draft)):
+        if not Path(path).is_file():
+            raise BenchError(f"{flag}: no such file: {path}")
+    prompts = load_prompts(a.prompts)
+    notes: list[str] = []
+    llama = None
+    if not a.no_peers:
+        try:
+            llama = LlamaServer(Path(a.llama_bin))
+        except FileNotFoundError:
+            note = (f"no llama-server in {a.llama_bin} (build it with benchmarks/build_llama_tools.sh): "
+                    "llama-server rows skipped")
+            print(f"serve_bench: note: {note}", file=sys.stderr)
+            notes.append(note)
+    rows: list[dict] = []
+    commands: dict[str, str] = {}
+
+    def log(msg: str) -> None:
+        print(f"serve_bench: {msg}", file=sys.stderr, flush=True)
+
+    # mars: one process, both configs, every N
+    srv = Server("mars serve", mars_command(a, max(a.clients_list)))
+    servers.append(srv)
+    commands["mars serve"] = shlex.join(srv.cmd)
+    srv.wait_ready_line(a.startup_timeout)
+    for config in ("mars spec", "mars plain"):
+        warm_up(a, config, srv.url, prompts)
+    for n in a.clients_list:
+        for config in ("mars spec", "mars plain"):
+            log(f"{config}, {n} client(s)")
+            rows.append(run_config(a, config, srv.url, n, prompts, stop))
+    srv.stop()
+
+    # llama-server: -np N, so one process per (config, N)
+    if llama is not None:
+        for config, spec in (("llama-server plain", False), ("llama-server spec", True)):
+            for n in a.clients_list:
+                port = free_port()
+                cmd = llama.command(a, spec, n, port)
+                srv = Server(f"llama-server ({config.split()[1]}, -np {n})", cmd)
+                servers.append(srv)
+                commands[f"{config}, -np {n}"] = shlex.join(cmd)
+                srv.wait_health(f"http://127.0.0.1:{port}", a.startup_timeout)
+                warm_up(a, config, srv.url, prompts)
+                log(f"{config}, {n} client(s)")
+                rows.append(run_config(a, config, srv.url, n, prompts, stop))
+                srv.stop()
+        notes.append("llama-server runs with -np N = the number of clients (N slots decoded together: its normal "
+                     "way of serving concurrent clients; -c is split among the slots); mars serve answers one "
+                     "request at a time in arrival order")
+        froms = sorted({r["tokens_from"] for r in rows if r["config"].startswith("llama-server")})
+        notes.append(f"llama-server completion tokens from: {', '.join(froms)}")
+    order = {c: i for i, c in enumerate(CONFIGS)}
+    rows.sort(key=lambda r: (r["clients"], order[r["config"]]))
+    return {"rows": rows, "notes": notes, "servers": commands}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    command = shlex.join([sys.executable] + sys.argv if argv is None else ["serve_bench.py"] + argv)
+    servers: list[Server] = []
+    stop = threading.Event()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        result = run(a, servers, stop)
+    except BenchError as exc:
+        print(f"serve_bench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("serve_bench: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        stop.set()
+        for s in servers:
+            s.stop()
+    rows = result["rows"]
+    print(table(rows))
+    print()
+    print(f"command: {command}")
+    for name, cmd in result["servers"].items():
+        print(f"{name}: {cmd}")
+    for note in result["notes"]:
+        print(f"note: {note}")
+    print("note: τ = tokens per target forward (usage.speculative.mean_accepted_length, mean over requests), "
+          "where the server reports it; accept = accepted / drafted draft tokens")
+    if a.json:
+        settings = {k: v for k, v in vars(a).items() if k != "clients"}
+        settings["clients"] = settings.pop("clients_list")
+        doc = {"command": command, "settings": settings, **result}
+        try:
+            Path(a.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        except OSError as exc:
+            print(f"serve_bench: error: cannot write {a.json}: {exc}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
