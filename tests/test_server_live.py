@@ -28,7 +28,7 @@ PROMPTS = [f"prompt number {i}: the quick brown fox" for i in range(16)]
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_draft):
-    with LiveServer.start("-m", tiny_target, "-md", tiny_draft, "-c", "256", "--api-key", KEY, "--temp", "0",
+    with LiveServer.start("-m", tiny_target, "-md", tiny_draft, "--api-key", KEY, "--temp", "0",
                           "--verify", "strict") as s:
         yield s
 
@@ -84,7 +84,7 @@ def test_strict_greedy_through_the_server_equals_mars_run(server, oa, tiny_targe
     r = oa.completions.create(model="target", prompt=prompt, max_tokens=40, temperature=0,
                               extra_body={"speculative": {"verify": "strict"}})
     out = subprocess.run([str(Path(sys.executable).with_name("mars")), "run", "-m", str(tiny_target), "-md", str(tiny_draft), "--verify", "strict",
-                          "--temp", "0", "-n", "40", "-t", "2", "-c", "256", "--json", prompt],
+                          "--temp", "0", "-n", "40", "-t", "2", "--json", prompt],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     ran = json.loads(out.stdout)
@@ -107,7 +107,7 @@ def test_sixteen_concurrent_streaming_clients(server, oa):
 @pytest.mark.parametrize("body, status, code", [
     (b'{"prompt": "x",', 400, "invalid_json"),
     (b'{"prompt": "' + b"x" * (10 << 20) + b'"}', 413, "request_too_large"),
-    (json.dumps({"prompt": "word " * 400}).encode(), 400, "context_length_exceeded"),
+    (json.dumps({"prompt": "word " * 5000}).encode(), 400, "context_length_exceeded"),
     (json.dumps({"prompt": "x", "speculative": {"theta": 2}}).encode(), 400, None),
 ])
 def test_faults_get_their_status_and_error_shape(server, body, status, code):
@@ -275,3 +275,17 @@ def test_ctrl_c_stops_a_server_in_the_middle_of_a_stream(tiny_target):
         s.stop()
     assert s.proc.returncode == 130  # Ctrl-C's exit code, as every mars command
     assert not any("Traceback" in line for line in s.lines), s.lines
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_cancels_it(server, oa):
+    before = len(server.lines)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/completions", headers=AUTH, timeout=1.5,
+                   json={"prompt": "a long wait", "max_tokens": 3000, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(" cancelled: " in x for x in server.lines[before:]):
+        time.sleep(0.1)
+    line = next((x for x in server.lines[before:] if " cancelled: " in x), None)
+    assert line is not None, server.lines[before:]
+    assert int(re.search(r"generated (\d+)", line).group(1)) < 3000
+    assert oa.completions.create(model="target", prompt="next", max_tokens=3).usage.completion_tokens == 3

@@ -141,14 +141,18 @@ class _Server:
         return JSONResponse(await self._collect(job, maker, request))
 
     async def _next(self, job: Job, request: HttpRequest | None = None):
-        """The job's next event; a client that went away meanwhile cancels it."""
+        """The job's next event; a client that went away meanwhile (checked every
+        quarter second while events come, too) cancels it."""
         while True:
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+            if request is not None and time.monotonic() - job.checked > 0.25:
+                job.checked = time.monotonic()
+                if await request.is_disconnected():
                     job.cancel()
-                    raise ApiError(499, "the client closed the request", code="client_closed") from None
+                    raise ApiError(499, "the client closed the request", code="client_closed")
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                continue
 
     async def _collect(self, job: Job, maker: ResponseMaker, request: HttpRequest) -> dict:
         text, lps = [], []

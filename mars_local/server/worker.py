@@ -47,6 +47,7 @@ class Job:
         self.t_submit = time.monotonic()
         self.t_start: float | None = None
         self.t_first: float | None = None  # the first chunk with text or tokens
+        self.checked = self.t_submit  # when the app last asked whether the client is still there
 
     def cancel(self) -> None:
         """Stop at the end of the round in progress (or never start)."""
