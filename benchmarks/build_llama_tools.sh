@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's own command-line tools (llama-completion, llama-cli,
-# llama-speculative-simple, llama-bench, llama-server, rpc-server) from the
+# llama-speculative-simple, llama-bench, llama-server, ggml-rpc-server) from the
 # llama.cpp tree vendored in the pinned llama-cpp-python sdist, for
 # `mars bench --llama-cpp-bin DIR` and benchmarks/serve_bench.py.
 #
@@ -25,7 +25,7 @@ if [ ! -d "$SRC/vendor/llama.cpp" ]; then
 fi
 cmake -S "$SRC/vendor/llama.cpp" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_RPC=ON ${CMAKE_ARGS:-} > /dev/null
-targets="llama-completion llama-speculative-simple llama-bench llama-cli llama-server rpc-server"
+targets="llama-completion llama-speculative-simple llama-bench llama-cli llama-server ggml-rpc-server"
 avail=$(cmake --build "$SRC/build" --target help | sed -n 's/^\.\.\. \(llama-[a-z-]*\).*/\1/p')
 want=""
 for t in $targets; do echo "$avail" | grep -qx "$t" && want="$want $t"; done

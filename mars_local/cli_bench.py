@@ -17,6 +17,7 @@ from . import cli_common as opt
 from .choices import DRAFTERS
 from .errors import MarsError
 from .generation import GenerateConfig
+from .rpc import parse_endpoints, parse_tensor_split
 from .registry import bench_drafters, choose_models
 
 BENCH_DRAFTERS = tuple(sorted(set(DRAFTERS) - {"none"}, reverse=True))  # ngram, model (plain always runs)
@@ -90,6 +91,9 @@ def bench(
     ngl: Optional[str] = opt.NGL,
     ngld: Optional[str] = opt.NGLD,
     threads: Optional[int] = opt.THREADS,
+    rpc: Optional[str] = opt.RPC,
+    rpc_draft: bool = opt.RPC_DRAFT,
+    tensor_split: Optional[str] = opt.TENSOR_SPLIT,
     quick: bool = typer.Option(False, "--quick", help="Smoke run: 1 prompt per category, 16 tokens, one θ."),
     per_category: Optional[int] = typer.Option(
         None, "--per-category", metavar="N", help="Use only the first N prompts of each category."
@@ -140,6 +144,8 @@ def bench(
         n_gpu_layers=opt.gpu_layers(ngl, "-ngl"), n_gpu_layers_draft=opt.gpu_layers(ngld, "-ngld"), n_threads=threads,
         peers=peers, llama_cpp_bin=llama_cpp_bin, label=label,
         peer_ks=parse_ks(peer_k, "--peer-k") if peer_k is not None else None, format_json=format_json,
+        rpc=parse_endpoints(rpc) if rpc is not None else (), rpc_draft=rpc_draft,
+        tensor_split=parse_tensor_split(tensor_split),
     )
     settings.validate()
     if temp > 0 and seed < 0:

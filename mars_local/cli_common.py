@@ -124,6 +124,15 @@ FAST_KERNELS = typer.Option(
 )
 
 
+RPC = typer.Option(
+    None, "--rpc", help="llama.cpp RPC servers HOST:PORT[,HOST:PORT...] that take the target's layers (trusted networks only)."
+)
+RPC_DRAFT = typer.Option(False, "--rpc-draft", help="Put the draft model on the RPC servers too (default: local).")
+TENSOR_SPLIT = typer.Option(
+    None, "--tensor-split", "-ts", help="Layer proportions per device, e.g. 3,1 (default: by free memory)."
+)
+
+
 def gpu_layers(value: Optional[str], flag: str) -> Optional[int]:
     """-ngl/-ngld: a number, 'all' (-1) or 'auto' (None: all when a GPU backend exists)."""
     if value is None or value == "auto":
@@ -147,12 +156,20 @@ def open_engine(
     threads: Optional[int],
     fast_kernels: bool,
     chat_template: Optional[str] = None,
+    rpc: Optional[str] = None,
+    rpc_draft: bool = False,
+    tensor_split: Optional[str] = None,
 ):
     from .engine import Engine
+    from .rpc import parse_endpoints, parse_tensor_split
 
     check_threads(threads)
     check_ctx_size(ctx_size)
     extra = {"chat_template": chat_template} if chat_template is not None else {}
+    if rpc is not None:
+        extra.update(rpc=parse_endpoints(rpc), rpc_draft=rpc_draft)
+    if tensor_split is not None:
+        extra["tensor_split"] = parse_tensor_split(tensor_split)
     return Engine(
         choice.target,
         choice.draft,
@@ -353,6 +370,9 @@ class GenOptions:
     json_schema: Optional[str]
     format: Optional[str]
     chat_template: Optional[str]
+    rpc: Optional[str]
+    rpc_draft: bool
+    tensor_split: Optional[str]
 
     explicit = frozenset()  # the options given on the command line (set by generation_options)
 
@@ -368,6 +388,10 @@ class GenOptions:
             raise MarsError(f"{flag_as_typed('draft_max')} must be in 0..{MAX_DRAFT}, got {self.draft_max}")
         self.check_controls()
         self.template()  # read a template file now, before any model loads
+        from .rpc import parse_endpoints, parse_tensor_split
+
+        parse_endpoints(self.rpc)
+        parse_tensor_split(self.tensor_split)
 
     def check_controls(self) -> None:
         """The output controls' ranges, naming the flag as typed (GenerateConfig has the same rules)."""
@@ -432,7 +456,7 @@ class GenOptions:
     def engine(self, choice: ModelChoice):
         """The Engine, then one warning line per questionable setting (as llama.cpp does)."""
         eng = open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels,
-                          self.template())
+                          self.template(), self.rpc, self.rpc_draft, self.tensor_split)
         cores = os.cpu_count()
         if self.threads is not None and cores and self.threads > cores:
             warn(f"{flag_as_typed('threads')} {self.threads} is more than the {cores} CPU cores here; "
@@ -466,7 +490,7 @@ _OPTION_INFO = {
     "threads": THREADS, "fast_kernels": FAST_KERNELS, "ignore_eos": IGNORE_EOS, "stop": STOP,
     "repeat_penalty": REPEAT_PENALTY, "repeat_last_n": REPEAT_LAST_N, "presence_penalty": PRESENCE_PENALTY,
     "frequency_penalty": FREQUENCY_PENALTY, "grammar": GRAMMAR, "json_schema": JSON_SCHEMA, "format": FORMAT,
-    "chat_template": CHAT_TEMPLATE,
+    "chat_template": CHAT_TEMPLATE, "rpc": RPC, "rpc_draft": RPC_DRAFT, "tensor_split": TENSOR_SPLIT,
 }
 
 

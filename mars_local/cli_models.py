@@ -150,16 +150,35 @@ def _learned_summary(v: dict) -> str:
     return "unknown entry"
 
 
+def rpc_report(value: str) -> list[dict]:
+    """Each RPC server's protocol and devices (free/total memory); MarsError (one line) at the first
+    that cannot be reached, within a bounded connect timeout."""
+    from .rpc import parse_endpoints, probe, register
+
+    out = []
+    for ep in parse_endpoints(value):
+        version = ".".join(map(str, probe(ep)))
+        devs = register((ep,))
+        out.append({"endpoint": ep, "protocol": version, "devices": [
+            {"name": d.name, "description": d.description, "free": d.free, "total": d.total} for d in devs]})
+    return out
+
+
 def doctor(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     reset_learned: bool = typer.Option(
         False, "--reset-learned", help="Forget what the adaptive draft length learned (window costs, acceptance)."
     ),
+    rpc: Optional[str] = typer.Option(
+        None, "--rpc", help="Check llama.cpp RPC servers HOST:PORT[,...]: reachable, protocol, free/total memory."
+    ),
 ) -> None:
     """What this installation can do: llama.cpp build, backend, GPU offload, hot path, models, learned state.
 
-    Exits 1 when a check failed (an unreadable models.yaml), after reporting all of them.
+    Exits 1 when a check failed (an unreadable models.yaml), after reporting all of them; 2 when an
+    RPC server given with --rpc cannot be reached (one line: host, port, reason).
     """
+    servers = rpc_report(rpc) if rpc is not None else None
     if reset_learned:
         from .learned import default_store
 
@@ -168,6 +187,8 @@ def doctor(
         echo(f"forgot {n} learned-state entr{'y' if n == 1 else 'ies'} ({store.path})")
         return
     rep = doctor_report()
+    if servers is not None:
+        rep["rpc"] = servers
     failed = rep["registry"]["problem"] is not None
     if as_json:
         echo(json.dumps(rep, indent=2))
@@ -198,6 +219,10 @@ def doctor(
         kind, *parts = k.split("|")
         where = " · ".join(p.split("@")[0] for p in parts if len(p) != 12 or "@" in p)  # names, not hashes
         lines.append(f"  {kind:<7} {where}: {v}")
+    for srv in servers or ():
+        lines.append(f"RPC server {srv['endpoint']}: ok (protocol {srv['protocol']})")
+        for d in srv["devices"]:
+            lines.append(f"  {d['name']} {d['description']}: {d['free'] >> 20} MiB free of {d['total'] >> 20} MiB")
     echo("\n".join(lines))
     if failed:
         echo("error: a check failed: model registry (see above)", err=True)

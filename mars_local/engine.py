@@ -33,6 +33,7 @@ from .errors import MarsError
 from .generation import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, _Run, token_logprobs
 from .grammar import GrammarState
 from .learned import LearnedStore, default_store
+from .rpc import placement
 from .runtime import Context, Model, build_fingerprint, check_vocab_compatible
 from .sampling import position_uniforms
 from .stats import SpecStats
@@ -71,6 +72,9 @@ class Engine:
         exact_kernels: bool = True,
         learned: bool | LearnedStore = True,
         chat_template: str | None = None,
+        rpc: Sequence[str] | str | None = None,
+        rpc_draft: bool = False,
+        tensor_split: Sequence[float] | None = None,
     ):
         if chat_template is not None:  # a built-in's name or Jinja text (mars_local.chat_builtin)
             from .chat_builtin import check_chat_template
@@ -78,7 +82,10 @@ class Engine:
             check_chat_template(chat_template)  # before any model loads
         self._chat_template_arg = chat_template
         self.drafter_kind = drafter = drafter_kind(drafter, draft)
-        self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels)
+        # rpc: llama.cpp RPC servers (HOST:PORT) that take the target's layers; the draft stays local
+        target_devs, draft_devs = placement(rpc, rpc_draft)
+        self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels, devices=target_devs,
+                            tensor_split=tensor_split)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
         if drafter != "none" and self.target.recurrent:
@@ -89,7 +96,7 @@ class Engine:
         self.draft_model: Model | None = None
         self._draft_ctx: Context | None = None
         if drafter == "model":
-            self.draft_model = Model(draft, n_gpu_layers_draft)
+            self.draft_model = Model(draft, n_gpu_layers_draft, devices=draft_devs)
             if self.draft_model.recurrent:
                 raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
             check_vocab_compatible(self.target, self.draft_model)
@@ -104,7 +111,7 @@ class Engine:
         store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
         keys = learned_keys(
             target, draft, drafter, (ngram_max, ngram_min), build=build_fingerprint(),
-            device=f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}",
+            device=f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}" + (f"|rpc={rpc}" if rpc else ""),
             n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
         )
         self._controllers = Controllers(store, keys, gpu=self.target.offloaded)

@@ -12,6 +12,7 @@ import collections
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +75,14 @@ def _last_llama_error() -> str:
 
 
 def gpu_offload_supported() -> bool:
+    """Whether this machine has a GPU llama.cpp can offload to (RPC servers' devices do not count:
+    llama_supports_gpu_offload() is true in every build with the RPC backend)."""
     init_backend()
-    return bool(C.llama_supports_gpu_offload())
+    if not C.llama_supports_gpu_offload():
+        return False
+    from .rpc import local_gpu_devices
+
+    return bool(local_gpu_devices())
 
 
 def backend_info() -> dict:
@@ -139,14 +146,26 @@ class Model:
     CPU; the draft model, whose numerics never change the output, keeps it.
     """
 
-    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, exact_kernels: bool = False):
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, exact_kernels: bool = False,
+                 devices: Sequence[int] | None = None, tensor_split: Sequence[float] | None = None):
+        """``devices``: the ggml devices to offload to (handles; None: llama.cpp's choice, every GPU and
+        registered RPC server; []: none, the CPU only); ``tensor_split``: layer proportions per device."""
         p = Path(path).expanduser()
         check_gguf_file(p)
         init_backend()
         params = C.llama_model_default_params()
-        if n_gpu_layers is None:  # all layers where a GPU backend exists, else none
-            n_gpu_layers = -1 if gpu_offload_supported() else 0
+        if n_gpu_layers is None:  # all layers where a GPU backend (or a given device) exists, else none
+            n_gpu_layers = -1 if (devices if devices is not None else gpu_offload_supported()) else 0
         params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
+        if devices is not None:  # a NULL-terminated array of ggml_backend_dev_t, alive while loading
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split is not None:
+            n = int(C.llama_max_devices())
+            if len(tensor_split) > n:
+                raise MarsError(f"--tensor-split has {len(tensor_split)} values; llama.cpp takes at most {n}")
+            self._split = (ctypes.c_float * n)(*tensor_split)
+            params.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         if exact_kernels:
             params.use_extra_bufts = False
         _recent_log.clear()
@@ -155,7 +174,7 @@ class Model:
             reason = _last_llama_error()
             raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
         self.path = str(p)
-        self.offloaded = gpu_offload_supported() and n_gpu_layers != 0
+        self.offloaded = n_gpu_layers != 0 and bool(devices if devices is not None else gpu_offload_supported())
         self.vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))

@@ -24,6 +24,7 @@ PURE = [
     "mars_local.tokens",
     "mars_local.textfile",
     "mars_local.server",
+    "mars_local.rpc",
     "mars_local.server.requests",
     "mars_local.server.responses",
     "mars_local.controls",

@@ -68,6 +68,9 @@ class BenchSettings:
     n_gpu_layers: int | None = None
     n_gpu_layers_draft: int | None = None
     n_threads: int | None = None
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC servers for the target's layers
+    rpc_draft: bool = False
+    tensor_split: tuple[float, ...] | None = None
     ngram_max: int = 3
     peers: bool = True
     llama_cpp_bin: Path | None = None

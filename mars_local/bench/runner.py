@@ -77,7 +77,7 @@ def run_bench(
             engines[d] = Engine(
                 s.target, s.draft if d == "model" else None, drafter=d, n_ctx=s.n_ctx,
                 n_gpu_layers=s.n_gpu_layers, n_gpu_layers_draft=s.n_gpu_layers_draft, n_threads=s.n_threads,
-                ngram_max=s.ngram_max,
+                ngram_max=s.ngram_max, rpc=s.rpc or None, rpc_draft=s.rpc_draft, tensor_split=s.tensor_split,
             )
         first = engines[s.drafters[0]]
         tokens = [prompt_tokens(first, p) for p in prompts]
