@@ -92,7 +92,7 @@ class DelayProxy:
 
 
 def run(args, rpc: str, extra: list[str], prompt: str) -> dict:
-    cmd = [MARS, "run", "--json", "--temp", "0", "-n", str(args.n_predict), "-t", str(args.threads), "-m", args.model,
+    cmd = [MARS, "run", "--json", "--chat", "--ignore-eos", "--temp", "0", "-n", str(args.n_predict), "-t", str(args.threads), "-m", args.model,
            "--rpc", rpc, "-ngl", "all", *extra, prompt]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
@@ -139,7 +139,7 @@ def main() -> int:
                                    "--draft-max", str(args.draft_max)], prompt)
             rows.append({"delay_ms": d, "plain_tok_s": plain["tokens_per_second"],
                          "spec_tok_s": spec["tokens_per_second"], "tau": spec["mean_accepted_length"],
-                         "speedup": spec["tokens_per_second"] / plain["tokens_per_second"]})
+                         "speedup": spec["tokens_per_second"] / max(plain["tokens_per_second"], 1e-9)})
             r = rows[-1]
             print(f"delay {d:g} ms: plain {r['plain_tok_s']:.2f} tok/s, speculative {r['spec_tok_s']:.2f} tok/s "
                   f"(tau {r['tau']:.2f}), {r['speedup']:.2f}x", flush=True)

@@ -148,41 +148,6 @@ def gpu_layers(value: Optional[str], flag: str) -> Optional[int]:
     return n
 
 
-def open_engine(
-    choice: ModelChoice,
-    ctx_size: int,
-    ngl: Optional[str],
-    ngld: Optional[str],
-    threads: Optional[int],
-    fast_kernels: bool,
-    chat_template: Optional[str] = None,
-    rpc: Optional[str] = None,
-    rpc_draft: bool = False,
-    tensor_split: Optional[str] = None,
-):
-    from .engine import Engine
-    from .rpc import parse_endpoints, parse_tensor_split
-
-    check_threads(threads)
-    check_ctx_size(ctx_size)
-    extra = {"chat_template": chat_template} if chat_template is not None else {}
-    if rpc is not None:
-        extra.update(rpc=parse_endpoints(rpc), rpc_draft=rpc_draft)
-    if tensor_split is not None:
-        extra["tensor_split"] = parse_tensor_split(tensor_split)
-    return Engine(
-        choice.target,
-        choice.draft,
-        drafter=choice.drafter,
-        n_ctx=ctx_size,
-        n_gpu_layers=gpu_layers(ngl, flag_as_typed("ngl")),
-        n_gpu_layers_draft=gpu_layers(ngld, flag_as_typed("ngld")),
-        n_threads=threads,
-        exact_kernels=not fast_kernels,
-        **extra,
-    )
-
-
 def flag_as_typed(name: str) -> str:
     """The spelling of a shared option the user typed (`--num-draft-tokens`, `-c`),
     or its first spelling; an error message then names the flag the user knows."""
@@ -455,6 +420,8 @@ class GenOptions:
 
     def engine(self, choice: ModelChoice):
         """The Engine, then one warning line per questionable setting (as llama.cpp does)."""
+        from .cli_options import open_engine
+
         eng = open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels,
                           self.template(), self.rpc, self.rpc_draft, self.tensor_split)
         cores = os.cpu_count()

@@ -1,4 +1,5 @@
-"""Parsing the CLI's file-or-text options: --file, --chat-template, --grammar/--json-schema/--format.
+"""Parsing the CLI's file-or-text options (--file, --chat-template, --grammar/--json-schema/--format)
+and opening the Engine the model flags describe.
 
 Each returns what the API takes (text) or raises a one-line MarsError before a model loads.
 """
@@ -7,11 +8,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .cli_common import decode_utf8, valid_utf8
 from .errors import MarsError
 from .textfile import decode_text, read_bytes
+
+if TYPE_CHECKING:
+    from .registry import ModelChoice
 
 
 def read_text_file(path: str, what: str, replace: bool = True) -> str:
@@ -80,3 +84,39 @@ def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Opti
     if text is not None and not text.strip():
         raise MarsError(f"the grammar file {grammar} is empty")
     return text
+
+
+def open_engine(
+    choice: "ModelChoice",
+    ctx_size: int,
+    ngl: Optional[str],
+    ngld: Optional[str],
+    threads: Optional[int],
+    fast_kernels: bool,
+    chat_template: Optional[str] = None,
+    rpc: Optional[str] = None,
+    rpc_draft: bool = False,
+    tensor_split: Optional[str] = None,
+):
+    from .cli_common import check_ctx_size, check_threads, flag_as_typed, gpu_layers
+    from .engine import Engine
+    from .rpc import parse_endpoints, parse_tensor_split
+
+    check_threads(threads)
+    check_ctx_size(ctx_size)
+    extra = {"chat_template": chat_template} if chat_template is not None else {}
+    if rpc is not None:
+        extra.update(rpc=parse_endpoints(rpc), rpc_draft=rpc_draft)
+    if tensor_split is not None:
+        extra["tensor_split"] = parse_tensor_split(tensor_split)
+    return Engine(
+        choice.target,
+        choice.draft,
+        drafter=choice.drafter,
+        n_ctx=ctx_size,
+        n_gpu_layers=gpu_layers(ngl, flag_as_typed("ngl")),
+        n_gpu_layers_draft=gpu_layers(ngld, flag_as_typed("ngld")),
+        n_threads=threads,
+        exact_kernels=not fast_kernels,
+        **extra,
+    )

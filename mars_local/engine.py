@@ -96,11 +96,7 @@ class Engine:
         self.draft_model: Model | None = None
         self._draft_ctx: Context | None = None
         if drafter == "model":
-            self.draft_model = Model(draft, n_gpu_layers_draft, devices=draft_devs)
-            if self.draft_model.recurrent:
-                raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
-            check_vocab_compatible(self.target, self.draft_model)
-            self._draft_ctx = Context(self.draft_model, n_ctx=self._ctx.n_ctx, **ctx_opts)
+            self._load_draft(draft, n_gpu_layers_draft, draft_devs, ctx_opts)
         self._chat_formatter = None
         self._busy: object | None = None  # the running stream's token (one generation at a time)
         self._last_stats: SpecStats | None = None
@@ -115,6 +111,13 @@ class Engine:
             n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
         )
         self._controllers = Controllers(store, keys, gpu=self.target.offloaded)
+
+    def _load_draft(self, draft, n_gpu_layers_draft, devices, ctx_opts: dict) -> None:
+        self.draft_model = Model(draft, n_gpu_layers_draft, devices=devices)
+        if self.draft_model.recurrent:
+            raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
+        check_vocab_compatible(self.target, self.draft_model)
+        self._draft_ctx = Context(self.draft_model, n_ctx=self._ctx.n_ctx, **ctx_opts)
 
     # ------------------------------------------------------------ the models
     @property
