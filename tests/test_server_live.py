@@ -289,3 +289,12 @@ def test_a_client_that_gives_up_on_a_whole_answer_cancels_it(server, oa):
     assert line is not None, server.lines[before:]
     assert int(re.search(r"generated (\d+)", line).group(1)) < 3000
     assert oa.completions.create(model="target", prompt="next", max_tokens=3).usage.completion_tokens == 3
+
+
+def test_a_non_loopback_host_without_a_key_is_warned_about(tiny_target):
+    with LiveServer.start("-m", tiny_target, "--drafter", "ngram", "--host", "0.0.0.0") as s:
+        line = s.wait_for_line("without --api-key")
+        assert "0.0.0.0" in line and "anyone who can reach this port" in line
+    with LiveServer.start("-m", tiny_target, "--drafter", "ngram", "--host", "0.0.0.0", "--api-key", "k") as s:
+        assert httpx.get(f"{s.base}/health", timeout=10).status_code == 200
+        assert not any("without --api-key" in x for x in s.lines)
