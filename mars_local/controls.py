@@ -60,6 +60,18 @@ def apply_penalties(row: np.ndarray, history: Sequence[int], cfg: GenerateConfig
     row[ids] = z
 
 
+def rows_read(cfg: GenerateConfig) -> int:
+    """How many of a processed row's best tokens the loop reads (0: all of it): greedy strict
+    the argmax, greedy MARS the top 2, top-k sampling k.  Log probabilities and --ignore-eos
+    (which must know whether anything but EOG is allowed) read whole rows."""
+    if cfg.logprobs or cfg.ignore_eos:
+        return 0
+    s = cfg.sampling
+    if s.greedy:
+        return 2 if cfg.verify == "mars" else 1
+    return max(s.top_k, 2) if s.top_k > 0 else 0
+
+
 class Controls:
     """The history-dependent controls of one generation (None-free: check :attr:`active`)."""
 
@@ -68,6 +80,7 @@ class Controls:
         self.eog = np.asarray(sorted(eog_ids), dtype=np.int64)
         self.grammar = grammar  # the committed state (a GrammarState), or None
         self.active = grammar is not None or cfg.ignore_eos or cfg.penalized
+        self.need = rows_read(cfg)
 
     def window(self, history: Sequence[int]) -> "Window":
         """A cursor at the end of ``history`` (the committed tokens)."""
@@ -106,15 +119,16 @@ class Window:
         self.c, self.history, self.grammar = controls, history, grammar
 
     def apply(self, row: np.ndarray) -> None:
-        """Process the row for the next position, in place."""
+        """Process the row for the next position, in place (penalties and the grammar
+        mask commute: a penalty leaves -inf at -inf)."""
         c = self.c
+        apply_penalties(row, self.history, c.cfg)
         if self.grammar is not None:
-            self.grammar.mask(row)
+            self.grammar.mask(row, c.need)
         if c.cfg.ignore_eos and c.eog.size:
             eog = c.eog[c.eog < len(row)]
             if self.grammar is None or _finite_outside(row, eog):
                 row[eog] = -np.inf
-        apply_penalties(row, self.history, c.cfg)
 
     def push(self, token: int, row: np.ndarray) -> bool:
         """Advance by ``token`` (the row it was chosen from, as processed); False if the

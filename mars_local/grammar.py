@@ -48,6 +48,7 @@ def grammar_from_json_schema(schema: str | dict) -> str:
     return gbnf.replace(_LAX_CHAR, _JSON_CHAR)
 
 
+_FIRST_CANDIDATES = 64  # mask(row, need): the best candidates checked before the whole vocabulary
 _LAX_CHAR = r'char ::= [^"\\] |'
 _JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 
@@ -104,12 +105,23 @@ class GrammarState:
         self._arr = C.llama_token_data_array(
             self._buf.ctypes.data_as(C.llama_token_data_p), n, -1, False
         )
+        self._small = None  # the candidates of mask(row, need)
 
     def clone(self) -> "GrammarState":
         return GrammarState(self.model, _handle=self._C.llama_sampler_clone(self._h))
 
-    def mask(self, row: np.ndarray) -> None:
-        """Forbidden tokens' logits → -inf, in place (the first n_vocab entries of ``row``)."""
+    def mask(self, row: np.ndarray, need: int = 0) -> None:
+        """Forbidden tokens' logits → -inf, in place (the first n_vocab entries of ``row``).
+
+        ``need`` > 0 says the caller reads only the ``need`` best allowed tokens
+        of the row (greedy: 1, or 2 for MARS's runner-up; top-k sampling: k).
+        Then the best candidates are checked first, and when at least ``need``
+        of them are allowed and rank strictly above every unchecked token, the
+        row keeps just the allowed candidates (everything else → -inf): the
+        same best ``need`` tokens with the same logits as the full mask, for a
+        fraction of its cost.  Otherwise the whole vocabulary is checked."""
+        if need > 0 and self._mask_best(row, need):
+            return
         n = min(len(row), len(self._buf))
         buf, arr = self._buf, self._arr
         buf["logit"][:n] = row[:n]
@@ -121,6 +133,38 @@ class GrammarState:
             raise MarsError("llama.cpp's grammar sampler reordered the candidates")  # pragma: no cover
         row[:n] = buf["logit"][:n]
         row[n:] = -np.inf
+
+    def _mask_best(self, row: np.ndarray, need: int) -> bool:
+        n = min(len(row), len(self._buf))
+        m = max(_FIRST_CANDIDATES, 4 * need)
+        if m >= n:
+            return False
+        z = row[:n]
+        part = np.argpartition(z, n - m - 1)
+        top, outside = part[n - m :], z[part[n - m - 1]]  # the m best; the best logit left out
+        if not np.isfinite(outside) and outside < 0:
+            return False  # fewer than m finite logits: the full check costs no more
+        if self._small is None:
+            self._small = np.zeros(_FIRST_CANDIDATES * 4, dtype=self._buf.dtype)
+        if len(self._small) < m:
+            self._small = np.zeros(m, dtype=self._buf.dtype)
+        buf = self._small
+        buf["id"][:m] = top
+        buf["logit"][:m] = z[top]
+        arr = self._C.llama_token_data_array(buf.ctypes.data_as(self._C.llama_token_data_p), m, -1, False)
+        self._C.llama_sampler_apply(self._h, ctypes.byref(arr))
+        if arr.size != m or ctypes.addressof(arr.data.contents) != buf.ctypes.data:
+            raise MarsError("llama.cpp's grammar sampler reordered the candidates")  # pragma: no cover
+        allowed = buf["id"][:m][np.isfinite(buf["logit"][:m])].astype(np.int64)
+        if len(allowed) < need:
+            return False
+        vals = z[allowed]
+        if not np.partition(vals, len(vals) - need)[len(vals) - need] > outside:
+            return False  # a tie at the edge: the full check decides
+        row[n:] = -np.inf
+        row[:n] = -np.inf
+        row[allowed] = vals
+        return True
 
     def accept(self, token: int) -> None:
         self._C.llama_sampler_accept(self._h, int(token))

@@ -271,3 +271,44 @@ def test_logprobs_are_the_target_rows_log_softmax_without_extra_forwards(plain, 
         assert lp.logprob == pytest.approx(ls[lp.token], abs=1e-4)
         assert [t for t, _ in lp.top] == list(np.argsort(-ls, kind="stable")[:3])
     assert base.logprobs is None and "logprobs" not in base.to_dict()
+
+
+@pytest.mark.parametrize("prefix", ['{"name": "Al', "{", '{"a": [1, 2', ""])
+def test_masking_only_the_best_candidates_keeps_the_rows_the_loop_reads(smollm2, prefix):
+    """mask(row, need) gives the same best `need` allowed tokens and logits as the full mask
+    (greedy strict 1, greedy MARS 2, top-k sampling k), and keeps only allowed tokens."""
+    from mars_local.runtime import Model
+
+    model = Model(smollm2)
+    g = GrammarState(model, json_grammar())
+    for t in model.tokenize(prefix, add_special=False, parse_special=False):
+        g.accept(t)
+    rng = np.random.default_rng(len(prefix))
+    shortcut = 0
+    for trial in range(20):
+        row = (rng.normal(size=model.n_vocab) * 3).astype(np.float32)
+        full = row.copy()
+        g.mask(full)
+        for need in (1, 2, 40):
+            fast = row.copy()
+            g.mask(fast, need)
+            assert np.all(np.isfinite(full[np.isfinite(fast)]))  # nothing forbidden kept
+            best = lambda r: np.argsort(-r.astype(np.float64), kind="stable")[:need]  # noqa: E731
+            n_allowed = int(np.isfinite(full).sum())
+            k = min(need, n_allowed)
+            assert np.array_equal(best(fast)[:k], best(full)[:k]) and np.array_equal(fast[best(fast)[:k]],
+                                                                                     full[best(full)[:k]])
+            shortcut += int(np.isfinite(fast).sum()) < n_allowed
+    if prefix == '{"name": "Al':  # inside a string nearly everything is allowed: the shortcut is taken
+        assert shortcut == 60
+    g.close()
+    model.close()
+
+
+def test_rows_read_by_the_loop():
+    from mars_local.controls import rows_read
+
+    assert rows_read(GenerateConfig(verify="strict")) == 1 and rows_read(GenerateConfig()) == 2
+    assert rows_read(GenerateConfig.make(temperature=1.0, top_k=40)) == 40
+    assert rows_read(GenerateConfig.make(temperature=1.0, top_k=0)) == 0
+    assert rows_read(GenerateConfig(logprobs=3)) == 0 and rows_read(GenerateConfig(ignore_eos=True)) == 0
