@@ -96,6 +96,9 @@ def test_models_and_health(api):
     assert api.get("/health").json()["status"] == "ok"  # no key needed
     assert [m["id"] for m in api.get("/v1/models", headers=AUTH).json()["data"]] == ["fake"]
     err(api.get("/v1/models"), 401, "invalid_api_key")
+    assert api.get("/v1/models/fake", headers=AUTH).json()["id"] == "fake"
+    err(api.get("/v1/models/gpt-4", headers=AUTH), 404, "model_not_found")
+    assert api.get("/v1/health").json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},

@@ -33,7 +33,7 @@ __all__ = ["ServerSettings", "create_app", "MAX_BODY"]
 
 MAX_BODY = 8 << 20  # bytes: far more text than any context holds
 _DRAIN_LIMIT = 256 << 20  # a larger body is not even read to the end (the connection is closed)
-_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/health", "/metrics")
 
 
 @dataclass
@@ -248,14 +248,23 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     async def completions(request: HttpRequest):
         return await srv.generate(request, parse_completion, "/v1/completions")
 
+    def card() -> dict:
+        return {"id": settings.model_id, "object": "model", "created": int(time.time()), "owned_by": "mars-local",
+                **settings.info}
+
     @app.get("/v1/models")
     async def models(request: HttpRequest):
         srv.auth(request)
-        card = {"id": settings.model_id, "object": "model", "created": int(time.time()), "owned_by": "mars-local",
-                **settings.info}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: HttpRequest):
+        srv.auth(request)
+        srv.check_model(model_id)
+        return card()
 
     @app.get("/health")
+    @app.get("/v1/health")
     async def health():
         return {"status": "ok", "queue": srv.worker.waiting, "running": srv.worker.running is not None}
 
