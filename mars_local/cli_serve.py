@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -64,6 +65,12 @@ def serve(
                 opt.warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
 
         run_server(app, sock, ready)
+        # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too,
+        # and never free the models under a generation that is still running
+        if not app.state.server.worker.stop(timeout=30.0):
+            echo("mars serve: a generation did not stop in time; exiting without freeing the models", err=True)
+            sock.close()
+            os._exit(130)
     finally:
         sock.close()
         eng.close()

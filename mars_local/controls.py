@@ -118,13 +118,14 @@ class Window:
     def __init__(self, controls: Controls, history: list[int], grammar):
         self.c, self.history, self.grammar = controls, history, grammar
 
-    def apply(self, row: np.ndarray) -> None:
+    def apply(self, row: np.ndarray, need: int | None = None) -> None:
         """Process the row for the next position, in place (penalties and the grammar
-        mask commute: a penalty leaves -inf at -inf)."""
+        mask commute: a penalty leaves -inf at -inf).  ``need``: how many of the row's
+        best tokens the caller reads (default :func:`rows_read`; 0: the whole row)."""
         c = self.c
         apply_penalties(row, self.history, c.cfg)
         if self.grammar is not None:
-            self.grammar.mask(row, c.need)
+            self.grammar.mask(row, c.need if need is None else need)
         if c.cfg.ignore_eos and c.eog.size:
             eog = c.eog[c.eog < len(row)]
             if self.grammar is None or _finite_outside(row, eog):

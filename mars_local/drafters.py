@@ -207,7 +207,10 @@ class ModelDrafter(Drafter):
         try:
             while True:
                 if win is not None:
-                    win.apply(row)  # the target's controls at this position (penalties, grammar)
+                    # the target's controls at this position (penalties, grammar); a p_min cut needs the
+                    # exact top probability, so the whole row is masked then (the adaptive controller's
+                    # confidence keys are taken over the best allowed candidates: a heuristic, not exact)
+                    win.apply(row, 0 if self.p_min > 0.0 else None)
                     if not np.isfinite(row.max()):
                         break  # nothing allowed here (a grammar that must end)
                 p_top = top_probability(row) if (self.p_min > 0.0 or keys is not None) else 1.0

@@ -75,6 +75,35 @@ def load_grammar_option(grammar_file: str | Path | None = None, json_schema: str
     return None
 
 
+MAX_GRAMMAR_DEPTH = 256  # nested groups; llama.cpp's GBNF parser recurses per level (and crashes near 30,000)
+MAX_GRAMMAR_BYTES = 1 << 20
+
+
+def check_grammar_text(text: str) -> None:
+    """Refuse GBNF that llama.cpp's recursive parser could not survive (too deep or too large);
+    a one-line MarsError.  Quoted strings, character classes and comments are skipped."""
+    if len(text.encode("utf-8", errors="replace")) > MAX_GRAMMAR_BYTES:
+        raise MarsError(f"the grammar is over {MAX_GRAMMAR_BYTES >> 20} MiB")
+    depth, i, n = 0, 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in "\"[":  # a string literal or a character class: skip to its unescaped end
+            end = '"' if ch == '"' else "]"
+            i += 1
+            while i < n and text[i] != end:
+                i += 2 if text[i] == "\\" else 1
+        elif ch == "#":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif ch == "(":
+            depth += 1
+            if depth > MAX_GRAMMAR_DEPTH:
+                raise MarsError(f"invalid GBNF grammar: groups nested deeper than {MAX_GRAMMAR_DEPTH} levels")
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+
+
 class GrammarState:
     """llama.cpp's grammar sampler (``llama_sampler_init_grammar``) at one point of a generation.
 
@@ -93,6 +122,7 @@ class GrammarState:
         if _handle is None:
             from .runtime import _last_llama_error, _recent_log
 
+            check_grammar_text(text)
             _recent_log.clear()
             _handle = C.llama_sampler_init_grammar(model.vocab, text.encode("utf-8"), root.encode("utf-8"))
             if not _handle:
@@ -140,6 +170,8 @@ class GrammarState:
         if m >= n:
             return False
         z = row[:n]
+        if np.isnan(z).any() or np.isposinf(z).any():
+            return False  # the full check keeps llama.cpp's and the rules' handling of these
         part = np.argpartition(z, n - m - 1)
         top, outside = part[n - m :], z[part[n - m - 1]]  # the m best; the best logit left out
         if not np.isfinite(outside) and outside < 0:
@@ -155,7 +187,7 @@ class GrammarState:
         self._C.llama_sampler_apply(self._h, ctypes.byref(arr))
         if arr.size != m or ctypes.addressof(arr.data.contents) != buf.ctypes.data:
             raise MarsError("llama.cpp's grammar sampler reordered the candidates")  # pragma: no cover
-        allowed = buf["id"][:m][np.isfinite(buf["logit"][:m])].astype(np.int64)
+        allowed = buf["id"][:m][buf["logit"][:m] > -np.inf].astype(np.int64)
         if len(allowed) < need:
             return False
         vals = z[allowed]

@@ -56,10 +56,12 @@ def parse_endpoints(value: str | list[str] | tuple[str, ...] | None, flag: str =
             if not ep:
                 continue
             host, sep, port = ep.rpartition(":")
-            host = host.strip("[]")
+            if ":" in host or host.startswith("["):  # llama.cpp's RPC client speaks IPv4 only
+                raise MarsError(f"{flag}: {ep!r}: llama.cpp's RPC client connects over IPv4 only; "
+                                "give an IPv4 address or a host name")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise MarsError(f"{flag}: {ep!r} is not HOST:PORT (e.g. 192.168.1.20:50052)")
-            ep = f"{host}:{int(port)}" if ":" not in host else f"[{host}]:{int(port)}"
+            ep = f"{host}:{int(port)}"
             if ep not in out:
                 out.append(ep)
     if not out:
@@ -89,8 +91,11 @@ def probe(endpoint: str, timeout: float = PROBE_TIMEOUT) -> tuple[int, int, int]
     or not a compatible llama.cpp RPC server."""
     host, port = _split(endpoint)
     where = f"RPC server {endpoint}"
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
+    try:  # over IPv4, as llama.cpp's client will connect
+        addr = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4]
+        sock = socket.create_connection(addr, timeout=timeout)
+    except socket.gaierror as exc:
+        raise MarsError(f"{where}: {exc.strerror or exc}") from None
     except socket.timeout:
         raise MarsError(f"{where}: no answer within {timeout:g} s (is rpc-server running there?)") from None
     except OSError as exc:

@@ -312,3 +312,15 @@ def test_rows_read_by_the_loop():
     assert rows_read(GenerateConfig.make(temperature=1.0, top_k=40)) == 40
     assert rows_read(GenerateConfig.make(temperature=1.0, top_k=0)) == 0
     assert rows_read(GenerateConfig(logprobs=3)) == 0 and rows_read(GenerateConfig(ignore_eos=True)) == 0
+
+
+def test_grammars_too_deep_for_llama_cpp_are_refused_before_it_parses_them(plain):
+    from mars_local.grammar import MAX_GRAMMAR_DEPTH, check_grammar_text
+
+    deep = "root ::= " + "(" * 40_000 + '"a"' + ")" * 40_000  # llama.cpp's parser would crash on it
+    with pytest.raises(MarsError, match="nested deeper"):
+        plain.generate("hi", grammar=deep, max_tokens=2)
+    ok = "root ::= " + "(" * MAX_GRAMMAR_DEPTH + '"a"' + ")" * MAX_GRAMMAR_DEPTH
+    assert plain.generate("hi", grammar=ok, max_tokens=1).text == "a"
+    check_grammar_text('root ::= "((((" [(((] # ((((\n' + "(" * 10 + ")" * 10)  # quoted, classes, comments skipped
+    check_grammar_text(json_grammar())

@@ -86,7 +86,7 @@ def run_json(*args: str) -> dict:
     ("127.0.0.1:50052", ("127.0.0.1:50052",)),
     ("a:1,b:2", ("a:1", "b:2")),
     (["a:1", "a:1,b:2"], ("a:1", "b:2")),
-    ("[::1]:50052", ("[::1]:50052",)),
+    (" host.lan:1 ", ("host.lan:1",)),
 ])
 def test_endpoints(value, expect):
     assert parse_endpoints(value) == expect
@@ -95,6 +95,12 @@ def test_endpoints(value, expect):
 @pytest.mark.parametrize("value", ["host", "host:", ":50052", "host:0", "host:70000", "host:port", ",", ""])
 def test_bad_endpoints(value):
     with pytest.raises(MarsError, match="HOST:PORT"):
+        parse_endpoints(value)
+
+
+@pytest.mark.parametrize("value", ["[::1]:50052", "::1:50052", "fe80::1:50052"])
+def test_ipv6_endpoints_are_refused_with_the_reason(value):
+    with pytest.raises(MarsError, match="IPv4 only"):
         parse_endpoints(value)
 
 

@@ -119,6 +119,7 @@ def test_unknown_model_is_404(api):
     (b'{"messages": NaN}', 400, "invalid_json", None),
     (b"\xff\xfe", 400, "invalid_json", None),
     (b"[]", 400, None, None),
+    (b"[" * 100_000, 400, "invalid_json", None),
     (json.dumps({**CHAT, "speculative": {"theta": 2}}).encode(), 400, None, "speculative.theta"),
     (json.dumps({**CHAT, "n": 3}).encode(), 400, None, "n"),
     (json.dumps({**CHAT, "max_tokens": "9"}).encode(), 400, None, "max_tokens"),

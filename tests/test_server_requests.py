@@ -35,6 +35,7 @@ def test_defaults_come_from_the_server():
     (dict(speculative={"enabled": False}), lambda c: (c.draft_max, c.adaptive) == (0, False)),
     (dict(speculative={"enabled": True}), lambda c: c.draft_max == 8),
     (dict(n=1, user="u", unknown_field=[1]), lambda c: c == D),  # unknown fields are ignored, n = 1 is fine
+    (dict(top_p=0, temperature=1.0), lambda c: c.sampling.greedy),  # OpenAI's top_p 0: the top token only
 ])
 def test_fields_map_onto_the_config(fields, check):
     assert check(chat(**fields).config)
@@ -46,7 +47,7 @@ def test_fields_map_onto_the_config(fields, check):
     (dict(max_tokens=2.5), "max_tokens", "an integer"),
     (dict(temperature="hot"), "temperature", "a number"),
     (dict(temperature=3), "temperature", "[0, 2]"),
-    (dict(top_p=0), "top_p", "top-p"),
+    (dict(top_p=1.5), "top_p", "[0, 1]"),
     (dict(presence_penalty=2.5), "presence_penalty", "[-2, 2]"),
     (dict(stop=[1]), "stop", "strings"),
     (dict(n=2), "n", "n = 1"),

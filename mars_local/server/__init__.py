@@ -46,6 +46,8 @@ def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port; a MarsError naming both and the reason when it cannot be."""
     if not 0 <= port <= 65535:
         raise MarsError(f"--port must be in 0..65535, got {port}")
+    if host == "localhost":  # IPv4 loopback, where clients look first (getaddrinfo may put ::1 first)
+        host = "127.0.0.1"
     try:
         infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

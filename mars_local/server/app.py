@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..generation import GenerateConfig
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -105,15 +106,18 @@ class _Server:
     async def body(request: HttpRequest):
         """The request's JSON (at most MAX_BODY bytes: 413 beyond, after draining what was sent)."""
         size, parts, too_big = 0, [], False
-        async for part in request.stream():
-            size += len(part)
-            if size > MAX_BODY:
-                too_big = True
-                parts = []
-                if size > _DRAIN_LIMIT:
-                    break
-            elif not too_big:
-                parts.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > MAX_BODY:
+                    too_big = True
+                    parts = []
+                    if size > _DRAIN_LIMIT:
+                        break
+                elif not too_big:
+                    parts.append(part)
+        except ClientDisconnect:
+            raise ApiError(499, "the client closed the request", code="client_closed") from None
         if too_big:
             raise ApiError(413, f"the request body is over {MAX_BODY >> 20} MiB", code="request_too_large")
         raw = b"".join(parts)
@@ -121,6 +125,8 @@ class _Server:
             return json.loads(raw, parse_constant=_no_constants)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise ApiError(400, "the request body is nested too deeply", code="invalid_json") from None
 
     # ------------------------------------------------------- generations
     async def generate(self, request: HttpRequest, parse, endpoint: str):

@@ -211,6 +211,9 @@ def _common(body: Any, defaults: GenerateConfig, max_tokens_names: tuple[str, ..
         n = _num(body, name, 1, integer=True)
         if n is not None:
             cfg = _with(cfg, name, max_tokens=n)
+    if _num(body, "top_p", 0, 1) == 0:  # OpenAI allows 0: only the most likely token, i.e. greedy
+        cfg = _with(cfg, "top_p", temperature=0.0)
+        body = {k: v for k, v in body.items() if k not in ("top_p", "temperature")}
     for name, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", 0, 1),
                          ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
         v = _num(body, name, lo, hi)

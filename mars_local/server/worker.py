@@ -77,6 +77,7 @@ class Worker:
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._on_done = on_done
         self.running: Job | None = None
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mars-generate", daemon=True)
         self._thread.start()
 
@@ -91,8 +92,10 @@ class Worker:
             raise ApiError(503, f"the server is busy ({self.queue_size} requests are waiting); retry later",
                            type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Cancel what runs and waits, and end the thread."""
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Cancel what runs and waits, and end the thread; whether it ended within ``timeout``
+        (a prompt being evaluated finishes first: the engine must not be freed before)."""
+        self._stopping.set()
         if self.running is not None:
             self.running.cancel()
         while True:
@@ -105,11 +108,14 @@ class Worker:
                 job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
         self._q.put(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ------------------------------------------------------------ the thread
     def _serve(self) -> None:
         while (job := self._q.get()) is not None:
             self.running = job
+            if self._stopping.is_set():  # stop() may have missed it between get() and here
+                job.cancel()
             outcome, final = "error", None
             try:
                 outcome, final = self._generate(job)
@@ -153,7 +159,8 @@ class Worker:
     def _generate(self, job: Job) -> tuple[str, tuple | None]:
         """Run one job: its outcome (for the log and the metrics) and its last event."""
         if job.cancelled:
-            return "cancelled", None
+            final = ("error", ApiError(503, "the server is shutting down", type="server_error"))
+            return "cancelled", (final if self._stopping.is_set() else None)
         job.t_start = time.monotonic()
         try:
             tokens = self._prompt(job.request)
@@ -175,4 +182,6 @@ class Worker:
             return "error", ("error", ApiError(500, str(exc), type="server_error"))
         finally:
             stream.close()
+        if job.cancelled and self._stopping.is_set():  # the client is still there: say why it ends
+            return "cancelled", ("error", ApiError(503, "the server is shutting down", type="server_error"))
         return ("cancelled" if job.cancelled else "ok"), ("done", stream.stats)
