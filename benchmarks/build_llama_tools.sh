@@ -26,7 +26,7 @@ fi
 cmake -S "$SRC/vendor/llama.cpp" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_RPC=ON ${CMAKE_ARGS:-} > /dev/null
 targets="llama-completion llama-speculative-simple llama-bench llama-cli llama-server ggml-rpc-server"
-avail=$(cmake --build "$SRC/build" --target help | sed -n 's/^\.\.\. \(llama-[a-z-]*\).*/\1/p')
+avail=$(cmake --build "$SRC/build" --target help | sed -n 's/^\.\.\. \([a-z][a-z0-9-]*\).*/\1/p')
 want=""
 for t in $targets; do echo "$avail" | grep -qx "$t" && want="$want $t"; done
 cmake --build "$SRC/build" -j "$(nproc)" --target $want
