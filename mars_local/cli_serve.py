@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from typer import echo
@@ -27,6 +27,9 @@ def serve(
     ),
     alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients see (default: the model's name)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per request on stderr."),
+    cors: Optional[List[str]] = typer.Option(
+        None, "--cors", help="Let web pages from this origin call the API from a browser (repeatable; '*' = any)."
+    ),
     gen: opt.GenOptions = None,
 ) -> None:
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
@@ -53,7 +56,8 @@ def serve(
         model_id = alias or (choice.label if choice.pair is not None else target.stem)
         aliases = tuple({choice.label, target.name, target.stem, str(choice.target)} - {model_id})
         info = {"drafter": choice.drafter, "verify": cfg.verify, "n_ctx": eng.n_ctx}
-        settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info)
+        settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info,
+                                  cors=tuple(cors or ()))
         app = create_app(eng, settings)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host

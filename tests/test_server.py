@@ -182,3 +182,17 @@ def test_metrics_move_by_what_the_request_reports(api):
             d["mars_rounds_total"]) == (s["drafted"], s["accepted"], s["relaxed"], s["rounds"])
     assert d['mars_requests_total{endpoint="/v1/chat/completions",status="200"}'] == 1
     assert d["mars_mean_accepted_length_count"] == 1
+
+
+def test_browsers_are_refused_unless_an_origin_is_allowed():
+    pre = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    with client() as c:
+        r = c.options("/v1/chat/completions", headers=pre)
+        assert "access-control-allow-origin" not in r.headers
+    with client(cors=("http://localhost:3000",)) as c:
+        ok = c.options("/v1/chat/completions", headers={**pre, "Origin": "http://localhost:3000"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
+        bad = c.options("/v1/chat/completions", headers=pre)
+        assert "access-control-allow-origin" not in bad.headers
+        r = c.post("/v1/chat/completions", json=CHAT, headers={**AUTH, "Origin": "http://localhost:3000"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"

@@ -48,6 +48,7 @@ class ServerSettings:
     queue_size: int = 64  # requests waiting for the engine before 503
     log: bool = True  # one line per generation on stderr
     info: dict = field(default_factory=dict)  # extra /v1/models fields (drafter, verify)
+    cors: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -281,6 +282,11 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         srv.metrics.running.set(1 if srv.worker.running is not None else 0)
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    if settings.cors:  # web pages on these origins may call the API from a browser
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
     app.add_middleware(_CountRequests, metrics=srv.metrics)
     return app
 
