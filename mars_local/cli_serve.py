@@ -28,7 +28,7 @@ def serve(
     alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients see (default: the model's name)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per request on stderr."),
     cors: Optional[List[str]] = typer.Option(
-        None, "--cors", help="Let web pages from this origin call the API from a browser (repeatable; '*' = any)."
+        None, "--cors", metavar="ORIGIN", help="Let web pages from this origin call the API from a browser (repeatable; '*' = any)."
     ),
     gen: opt.GenOptions = None,
 ) -> None:
