@@ -151,17 +151,30 @@ def _learned_summary(v: dict) -> str:
 
 
 def rpc_report(value: str) -> list[dict]:
-    """Each RPC server's protocol and devices (free/total memory); MarsError (one line) at the first
-    that cannot be reached, within a bounded connect timeout."""
+    """Each RPC server's protocol and devices (free/total memory), or its ``error`` (one line: host,
+    port, reason) when it cannot be reached within a bounded connect timeout."""
     from .rpc import parse_endpoints, probe, register
 
     out = []
     for ep in parse_endpoints(value):
-        version = ".".join(map(str, probe(ep)))
-        devs = register((ep,))
+        try:
+            version = ".".join(map(str, probe(ep)))
+            devs = register((ep,))
+        except MarsError as exc:
+            out.append({"endpoint": ep, "error": str(exc)})
+            continue
         out.append({"endpoint": ep, "protocol": version, "devices": [
             {"name": d.name, "description": d.description, "free": d.free, "total": d.total} for d in devs]})
     return out
+
+
+def _rpc_failures(servers) -> None:
+    """One line per unreachable RPC server on stderr, then exit 2."""
+    bad = [s["error"] for s in servers or () if "error" in s]
+    if bad:
+        for line in bad:
+            echo(f"error: {line}", err=True)
+        raise typer.Exit(2)
 
 
 def doctor(
@@ -192,6 +205,7 @@ def doctor(
     failed = rep["registry"]["problem"] is not None
     if as_json:
         echo(json.dumps(rep, indent=2))
+        _rpc_failures(servers)
         if failed:
             raise typer.Exit(1)
         return
@@ -220,10 +234,14 @@ def doctor(
         where = " · ".join(p.split("@")[0] for p in parts if len(p) != 12 or "@" in p)  # names, not hashes
         lines.append(f"  {kind:<7} {where}: {v}")
     for srv in servers or ():
+        if "error" in srv:
+            lines.append(f"RPC server {srv['endpoint']}: FAILED (see below)")
+            continue
         lines.append(f"RPC server {srv['endpoint']}: ok (protocol {srv['protocol']})")
         for d in srv["devices"]:
             lines.append(f"  {d['name']} {d['description']}: {d['free'] >> 20} MiB free of {d['total'] >> 20} MiB")
     echo("\n".join(lines))
+    _rpc_failures(servers)
     if failed:
         echo("error: a check failed: model registry (see above)", err=True)
         raise typer.Exit(1)

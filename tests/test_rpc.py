@@ -229,3 +229,13 @@ def test_a_server_killed_mid_generation_is_one_line_and_batch_keeps_its_records(
         assert [r["id"] for r in records][:2] == ["r0", "r1"] and all(r["text"] for r in records[:2])
     finally:
         victim.stop()
+
+
+def test_doctor_lists_the_reachable_servers_and_one_line_per_unreachable_one(rpc_servers):
+    dead = f"127.0.0.1:{free_port()}"
+    out = mars("doctor", "--rpc", f"{rpc_servers[0].endpoint},{dead}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"RPC server {rpc_servers[0].endpoint}: ok" in out.stdout and "MiB free" in out.stdout
+    assert f"RPC server {dead}: FAILED" in out.stdout
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1 and f"RPC server {dead}" in err[0] and "refused" in err[0].lower()
