@@ -153,17 +153,16 @@ def _learned_summary(v: dict) -> str:
 def rpc_report(value: str) -> list[dict]:
     """Each RPC server's protocol and devices (free/total memory), or its ``error`` (one line: host,
     port, reason) when it cannot be reached within a bounded connect timeout."""
-    from .rpc import parse_endpoints, probe, register
+    from .rpc import parse_endpoints, protocol, register
 
     out = []
     for ep in parse_endpoints(value):
         try:
-            version = ".".join(map(str, probe(ep)))
-            devs = register((ep,))
+            devs = register((ep,))  # the handshake first, then llama.cpp's registration
         except MarsError as exc:
             out.append({"endpoint": ep, "error": str(exc)})
             continue
-        out.append({"endpoint": ep, "protocol": version, "devices": [
+        out.append({"endpoint": ep, "protocol": ".".join(map(str, protocol(ep))), "devices": [
             {"name": d.name, "description": d.description, "free": d.free, "total": d.total} for d in devs]})
     return out
 
@@ -191,7 +190,6 @@ def doctor(
     Exits 1 when a check failed (an unreadable models.yaml), after reporting all of them; 2 when an
     RPC server given with --rpc cannot be reached (one line: host, port, reason).
     """
-    servers = rpc_report(rpc) if rpc is not None else None
     if reset_learned:
         from .learned import default_store
 
@@ -200,6 +198,7 @@ def doctor(
         echo(f"forgot {n} learned-state entr{'y' if n == 1 else 'ies'} ({store.path})")
         return
     rep = doctor_report()
+    servers = rpc_report(rpc) if rpc is not None else None
     if servers is not None:
         rep["rpc"] = servers
     failed = rep["registry"]["problem"] is not None

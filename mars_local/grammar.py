@@ -156,13 +156,18 @@ class GrammarState:
         buf, arr = self._buf, self._arr
         buf["logit"][:n] = row[:n]
         buf["logit"][n:] = -np.inf
-        arr.data = buf.ctypes.data_as(self._C.llama_token_data_p)
-        arr.size, arr.selected, arr.sorted = len(buf), -1, False
-        self._C.llama_sampler_apply(self._h, ctypes.byref(arr))
-        if arr.size != len(buf) or ctypes.addressof(arr.data.contents) != buf.ctypes.data:
-            raise MarsError("llama.cpp's grammar sampler reordered the candidates")  # pragma: no cover
+        self._apply(arr, buf, len(buf))
         row[:n] = buf["logit"][:n]
         row[n:] = -np.inf
+
+    def _apply(self, arr, buf: np.ndarray, size: int) -> None:
+        """llama.cpp's grammar sampler over the first ``size`` candidates of ``buf`` (in place:
+        forbidden logits become -inf; the candidates must keep their order)."""
+        arr.data = buf.ctypes.data_as(self._C.llama_token_data_p)
+        arr.size, arr.selected, arr.sorted = size, -1, False
+        self._C.llama_sampler_apply(self._h, ctypes.byref(arr))
+        if arr.size != size or ctypes.addressof(arr.data.contents) != buf.ctypes.data:
+            raise MarsError("llama.cpp's grammar sampler reordered the candidates")  # pragma: no cover
 
     def _mask_best(self, row: np.ndarray, need: int) -> bool:
         n = min(len(row), len(self._buf))
@@ -176,25 +181,19 @@ class GrammarState:
         top, outside = part[n - m :], z[part[n - m - 1]]  # the m best; the best logit left out
         if not np.isfinite(outside) and outside < 0:
             return False  # fewer than m finite logits: the full check costs no more
-        if self._small is None:
-            self._small = np.zeros(_FIRST_CANDIDATES * 4, dtype=self._buf.dtype)
-        if len(self._small) < m:
-            self._small = np.zeros(m, dtype=self._buf.dtype)
+        if self._small is None or len(self._small) < m:
+            self._small = np.zeros(max(m, 4 * _FIRST_CANDIDATES), dtype=self._buf.dtype)
         buf = self._small
         buf["id"][:m] = top
         buf["logit"][:m] = z[top]
-        arr = self._C.llama_token_data_array(buf.ctypes.data_as(self._C.llama_token_data_p), m, -1, False)
-        self._C.llama_sampler_apply(self._h, ctypes.byref(arr))
-        if arr.size != m or ctypes.addressof(arr.data.contents) != buf.ctypes.data:
-            raise MarsError("llama.cpp's grammar sampler reordered the candidates")  # pragma: no cover
+        self._apply(self._C.llama_token_data_array(), buf, m)
         allowed = buf["id"][:m][buf["logit"][:m] > -np.inf].astype(np.int64)
         if len(allowed) < need:
             return False
         vals = z[allowed]
         if not np.partition(vals, len(vals) - need)[len(vals) - need] > outside:
             return False  # a tie at the edge: the full check decides
-        row[n:] = -np.inf
-        row[:n] = -np.inf
+        row[:] = -np.inf
         row[allowed] = vals
         return True
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from .errors import MarsError
 
 __all__ = ["parse_endpoints", "probe", "register", "rpc_devices", "local_gpu_devices", "Device",
-           "install_abort_handler", "PROBE_TIMEOUT", "parse_tensor_split", "placement"]
+           "install_abort_handler", "PROBE_TIMEOUT", "parse_tensor_split", "placement", "protocol"]
 
 PROBE_TIMEOUT = 5.0  # seconds for connect + HELLO
 RPC_CMD_HELLO = 14
@@ -159,7 +159,7 @@ class Device:
 
 _KINDS = ("cpu", "gpu", "igpu", "accel", "meta")
 _lock = threading.Lock()
-_registered: dict[str, bool] = {}
+_registered: dict[str, tuple[int, int, int]] = {}  # endpoint -> its RPC protocol version
 _ggml = None
 
 
@@ -233,18 +233,23 @@ def register(endpoints: tuple[str, ...], timeout: float = PROBE_TIMEOUT) -> list
         for ep in endpoints:
             if ep in _registered:
                 continue
-            probe(ep, timeout)
+            version = probe(ep, timeout)
             install_abort_handler()
             server_reg = add_server(ep.encode())
             if not server_reg:
                 raise MarsError(f"RPC server {ep}: llama.cpp could not register it")
             lib.ggml_backend_register(server_reg)
-            _registered[ep] = True
+            _registered[ep] = version
     devs = rpc_devices(endpoints)
     missing = [ep for ep in endpoints if not any(d.serves(ep) for d in devs)]
     if missing:
         raise MarsError(f"RPC server {missing[0]} reports no devices")
     return devs
+
+
+def protocol(endpoint: str) -> tuple[int, int, int] | None:
+    """The RPC protocol version a registered server answered its handshake with (None: not registered)."""
+    return _registered.get(endpoint)
 
 
 def placement(rpc, rpc_draft: bool = False) -> tuple[list[int] | None, list[int] | None]:
@@ -254,14 +259,11 @@ def placement(rpc, rpc_draft: bool = False) -> tuple[list[int] | None, list[int]
     the draft stays on this machine's GPUs (or the CPU) unless ``rpc_draft``.
     Once a server is registered in this process, a model loaded without ``rpc``
     stays local too."""
-    if not rpc:
-        if not _registered:
-            return None, None
-        local = [d.handle for d in local_gpu_devices()]
-        return local, local
-    devs = register(parse_endpoints(rpc))
+    if not rpc and not _registered:
+        return None, None
+    remote = [d.handle for d in register(parse_endpoints(rpc))] if rpc else []
     local = [d.handle for d in local_gpu_devices()]
-    target = [d.handle for d in devs] + local
+    target = remote + local
     return target, (target if rpc_draft else local)
 
 

@@ -154,8 +154,9 @@ class Model:
         check_gguf_file(p)
         init_backend()
         params = C.llama_model_default_params()
+        can_offload = bool(devices) if devices is not None else gpu_offload_supported()
         if n_gpu_layers is None:  # all layers where a GPU backend (or a given device) exists, else none
-            n_gpu_layers = -1 if (devices if devices is not None else gpu_offload_supported()) else 0
+            n_gpu_layers = -1 if can_offload else 0
         params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
         if devices is not None:  # a NULL-terminated array of ggml_backend_dev_t, alive while loading
             self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
@@ -174,7 +175,7 @@ class Model:
             reason = _last_llama_error()
             raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
         self.path = str(p)
-        self.offloaded = n_gpu_layers != 0 and bool(devices if devices is not None else gpu_offload_supported())
+        self.offloaded = can_offload and n_gpu_layers != 0
         self.vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
