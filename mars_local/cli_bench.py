@@ -152,9 +152,9 @@ def bench(
         raise MarsError("a sampling benchmark needs a fixed seed (-s N with N >= 0)")
     if llama_cpp_bin is not None:
         B.find_llama_cpp_binaries(llama_cpp_bin)  # fail before any model is loaded
-    for path in (json_path, plot_path):
-        if path is not None and not path.parent.is_dir():
-            raise MarsError(f"cannot write {path}: no such directory {path.parent}")
+    for flag, path in (("--json", json_path), ("--plot", plot_path)):
+        if path is not None:
+            B.check_writable(path, flag)  # before the run, not after it
     if plot_path is not None:
         B.check_plot()  # the bench extra, before any model is loaded
 

@@ -133,6 +133,39 @@ def default_threads() -> int:
     return n if n <= 4 else max(4, n // 2)
 
 
+def busy_note(threads: int, cores: int, load: float, running: int) -> str | None:
+    """A warning when other processes already keep CPU cores busy (pure).
+
+    llama.cpp's threads wait for each other at every operation, so one thread
+    that shares its core with another busy process holds all of them back:
+    with both cores of a 2-core machine busy elsewhere, decoding fell ~100x.
+    ``load``: the 1-minute load average; ``running``: runnable tasks now, this
+    process included (/proc/loadavg's 4th field).  Both must show at least one
+    busy core besides ours (the load average lags by a minute, the
+    instantaneous count is noisy)."""
+    others = min(load, float(running - 1))
+    if cores < 1 or threads < 1 or others < 1.0 or threads + others <= cores + 0.5:
+        return None
+    free = max(1, cores - int(others + 0.5))
+    return (f"the CPU is busy (load {load:.1f} on {cores} cores): {threads} threads that share cores with "
+            f"other processes can be many times slower; try -t {free}, or stop the other work")
+
+
+def read_busy_note(threads: int, loadavg_path: str = "/proc/loadavg") -> str | None:
+    """:func:`busy_note` for this machine now (None where /proc/loadavg cannot be read)."""
+    try:
+        with open(loadavg_path, encoding="ascii") as f:
+            fields = f.read(256).split()
+        load, running = float(fields[0]), int(fields[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        cores = os.cpu_count() or 1
+    return busy_note(threads, cores, load, running)
+
+
 # ------------------------------------------------------------------- model
 class Model:
     """A loaded GGUF model (weights only; contexts are separate).

@@ -18,8 +18,13 @@ class SpecStats:
     n_accepted           draft tokens accepted, relaxed ones included.
     n_relaxed            draft tokens accepted only because of MARS.
     acceptance_rate      n_accepted / n_drafted (0 when nothing was drafted).
-    mean_accepted_length n_generated / n_rounds (tokens per target forward,
-                         the bonus/correction token included).
+    mean_accepted_length 1 + n_accepted / n_rounds: the tokens each target
+                         forward commits (its accepted drafts plus the
+                         bonus/correction token), τ; 1.0 for plain decoding,
+                         never below 1 (0.0 only when no round ran).  Not
+                         n_generated / n_rounds: a round whose token is an
+                         end of generation or completes a stop string
+                         commits a token that is not shown.
     per_position_drafted / per_position_accepted
                          counts per draft position 0..k-1; their ratio is the
                          per-position acceptance.
@@ -69,7 +74,7 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return self.n_generated / self.n_rounds if self.n_rounds else 0.0
+        return 1.0 + self.n_accepted / self.n_rounds if self.n_rounds else 0.0
 
     @property
     def relaxed_share(self) -> float:

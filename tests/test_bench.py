@@ -483,6 +483,8 @@ def bad_bench(tiny_target, tmp_path_factory):
         "fixed k above draft max": (["--draft-max", "2", "--fixed-k", "4"], "fixed draft length"),
         "zero repeats": (["--repeat", "0"], "repeat"),
         "bad json dir": (["--json", d / "no" / "b.json"], "no such directory"),
+        "json is a directory": (["--json", d], "is a directory"),
+        "plot is a directory": (["--plot", d], "is a directory"),
     }, t
 
 
@@ -490,7 +492,7 @@ BAD = [
     "missing prompts file", "undecodable prompts file", "malformed JSONL", "unknown category", "theta too big",
     "theta zero", "theta not a number", "draft model missing", "bad drafter", "pair and model", "unknown pair",
     "no binaries", "one binary missing", "not a folder", "zero tokens", "zero k", "bad json dir",
-    "fixed k not a number", "fixed k above draft max", "zero repeats",
+    "fixed k not a number", "fixed k above draft max", "zero repeats", "json is a directory", "plot is a directory",
 ]
 
 

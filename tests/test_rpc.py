@@ -180,7 +180,7 @@ def test_split_target_equals_local_plain_and_strict_equals_plain(smollm2, rpc_se
     local = run_json("-m", smollm2, "--no-draft")
     split = run_json("-m", smollm2, "--no-draft", "--rpc", rpc, "-ngl", "20")  # 20 of 31 layers remote, the rest here
     assert split["tokens"] == local["tokens"] and len(local["tokens"]) == 24
-    spec = run_json("-m", smollm2, "-md", smollm2, "--drafter", "model", "--verify", "strict", "--rpc", rpc,
+    spec = run_json("-m", smollm2, "-md", smollm2, "--drafter", "model", "--verify", "strict", "--no-adaptive", "--rpc", rpc,
                     "-ngl", "20", "--tensor-split", "1,1")
     assert spec["tokens"] == local["tokens"]
     assert spec["stats"]["n_drafted"] > 0

@@ -25,9 +25,10 @@ tokens_per_second     generated tokens / decode seconds, summed over prompts
                       (prompt evaluation excluded, as llama.cpp's "decoded").
 speedup_vs_plain      tokens_per_second / plain's tokens_per_second.
 acceptance_rate       accepted drafts / drafted tokens (null without drafts).
-mean_accepted_length  generated tokens / target forwards (τ; 1.0 for plain, a
-                      hair less when a generation ends at an end-of-generation
-                      token, whose forward produced no kept token).
+mean_accepted_length  1 + accepted drafts / target forwards (τ: the tokens each
+                      forward commits; 1.0 for plain, never below 1; a peer
+                      tool that reports no accepted count: generated tokens /
+                      forwards).
 relaxed_share         accepted drafts that only MARS accepted / accepted drafts.
 time_*_s              decode time spent in target forwards, drafting and the
                       verification rule (their sum is at most time_decode_s).
@@ -89,6 +90,7 @@ from .peers import LlamaCppBinaryPeer, LlamaCppPythonPeer, find_llama_cpp_binari
 from .prompts import DEFAULT_PROMPTS_DIR, BenchPrompt, load_prompts, quick_subset
 from .report import (
     check_plot,
+    check_writable,
     render_tables,
     row_label,
     rows_by_configuration,
@@ -138,4 +140,5 @@ __all__ = [
     "write_json",
     "write_plot",
     "check_plot",
+    "check_writable",
 ]

@@ -23,6 +23,14 @@ from .prompts import BenchPrompt
 PLOT_HINT = "install mars-local[bench] for --plot"
 
 
+def _tau(accepted, rounds, n_gen):
+    """τ as SpecStats defines it (1 + accepted drafts per round); a peer tool that
+    reports no accepted count: generated tokens per round."""
+    if accepted is not None and rounds:
+        return 1.0 + accepted / rounds
+    return _ratio(n_gen, rounds)
+
+
 def _ratio(a, b):
     if a is None or b is None or b == 0:
         return None
@@ -59,7 +67,7 @@ def _aggregate(idx: Sequence[int], smp: Sequence[Sample], plain: Sequence[Sample
     return {
         "tokens_per_second": tps,
         "acceptance_rate": _ratio(accepted, drafted) if drafted else None,
-        "mean_accepted_length": _ratio(n_gen, rounds),
+        "mean_accepted_length": _tau(accepted, rounds, n_gen),
         "relaxed_share": (relaxed / accepted if accepted else 0.0) if relaxed is not None and drafted else None,
         "token_agreement": agree,
         "task_score": score,
@@ -199,6 +207,20 @@ def render_tables(result_or_rows, title: str = ""):
             vals.append(sp if q is None else f"{sp} / {q:.2f}")
         per.add_row(label, *vals)
     return [t, per]
+
+
+def check_writable(path: str | os.PathLike, flag: str) -> None:
+    """A one-line MarsError now when ``path`` could not be written at the end of a run
+    (a directory, a missing or read-only folder, a read-only file); creates nothing."""
+    p = Path(path)
+    if p.is_dir():
+        raise MarsError(f"{flag} {p}: is a directory; give a file name")
+    if not p.parent.is_dir():
+        raise MarsError(f"{flag} {p}: no such directory {p.parent}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise MarsError(f"{flag} {p}: the file is not writable")
+    if not p.exists() and not os.access(p.parent, os.W_OK | os.X_OK):
+        raise MarsError(f"{flag} {p}: cannot create a file in {p.parent}")
 
 
 def write_json(result: BenchResult, path: str | os.PathLike) -> None:
