@@ -13,7 +13,7 @@ PROMPT  ?= Explain speculative decoding in two sentences.
 PURE_VENV  := .cache/venv-pure
 PURE_TESTS := tests/test_imports.py tests/test_gguf_file.py tests/test_verify.py tests/test_verify_stats.py \
               tests/test_adaptive.py tests/test_learned.py tests/test_drafters.py tests/test_controls_pure.py \
-              tests/test_chat_input.py tests/test_server_requests.py
+              tests/test_chat_input.py tests/test_server_requests.py tests/test_stats.py
 
 .PHONY: install run test test-pure bench clean distclean rpc-server
 
