@@ -30,10 +30,15 @@ def serve(
     cors: Optional[List[str]] = typer.Option(
         None, "--cors", metavar="ORIGIN", help="Let web pages from this origin call the API from a browser (repeatable; '*' = any)."
     ),
+    allowed_host: Optional[List[str]] = typer.Option(
+        None, "--allowed-host", metavar="NAME",
+        help="Accept requests whose Host is NAME (repeatable; on loopback only loopback names and --host are "
+             "accepted by default, elsewhere any unless this is given).",
+    ),
     gen: opt.GenOptions = None,
 ) -> None:
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
-    from .server import bind, check_installed, is_loopback, run_server
+    from .server import bind, check_allowed_host, check_installed, check_origin, is_loopback, run_server
 
     check_installed()
     opt.check_n_predict(n_predict)
@@ -41,6 +46,10 @@ def serve(
         raise MarsError(f"--queue must be >= 1, got {queue}")
     if api_key is not None and not api_key.strip():
         raise MarsError("--api-key is empty")
+    if alias is not None and not alias.strip():
+        raise MarsError("--alias is empty")
+    origins = tuple(dict.fromkeys(check_origin(o) for o in cors or ()))
+    hosts = tuple(dict.fromkeys(check_allowed_host(h) for h in allowed_host or ()))
     choice = gen.choice()
     cfg = gen.config(choice, n_predict)
     sock = bind(host, port)  # a busy port fails before the models load
@@ -57,7 +66,7 @@ def serve(
         aliases = tuple({choice.label, target.name, target.stem, str(choice.target)} - {model_id})
         info = {"drafter": choice.drafter, "verify": cfg.verify, "n_ctx": eng.n_ctx}
         settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info,
-                                  cors=tuple(cors or ()))
+                                  cors=origins, host=host, allowed_hosts=hosts)
         app = create_app(eng, settings)
         bound_host, bound_port = sock.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -126,6 +126,11 @@ class Engine:
         return self._ctx.n_ctx
 
     @property
+    def n_threads(self) -> int:
+        """The CPU threads the target decodes with (-t, or the physical cores)."""
+        return self._ctx.n_threads
+
+    @property
     def n_ctx_requested(self) -> int:
         """The context size asked for (n_ctx=0 asks for the training context)."""
         return self._ctx.n_ctx_requested
@@ -145,8 +150,18 @@ class Engine:
         """Whether :meth:`chat_prompt` has a template: the Engine's chat_template, or the GGUF's own."""
         return self._chat_template_arg is not None or bool(self.target.chat_template())
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True, *,
+                 max_tokens: int | None = None, cancelled: Callable[[], bool] | None = None) -> list[int]:
+        """Token ids of ``text``.  With ``max_tokens``, a text of more tokens raises
+        :class:`~mars_local.chat_tokens.PromptTooLong` as soon as that is known, in time
+        linear in the text (``cancelled``, asked along the way, raises
+        :class:`~mars_local.chat_tokens.TokenizingCancelled`); the ids are the same."""
+        if max_tokens is None and cancelled is None:
+            return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
+        from .chat_tokens import tokenize_text
+
+        return tokenize_text(self.target, text, add_special=add_special, parse_special=parse_special,
+                             max_tokens=max_tokens, cancelled=cancelled)
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         return self.target.detokenize(tokens, special=special)
@@ -155,7 +170,8 @@ class Engine:
         """The UTF-8 bytes of one token (a piece of a character, possibly)."""
         return self.target.piece(token, special=special)
 
-    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+    def chat_prompt(self, messages: Sequence[dict], *, max_tokens: int | None = None,
+                    cancelled: Callable[[], bool] | None = None) -> list[int]:
         """Token ids of ``messages`` rendered with the target's own chat template.
 
         The GGUF ``tokenizer.chat_template`` is rendered in a bounded Jinja2
@@ -163,12 +179,14 @@ class Engine:
         the assistant's turn appended); control tokens are parsed in the
         template's markup only, never in message text (see
         :mod:`mars_local.chat_template`).  Every failure is one MarsError.
+        ``max_tokens`` and ``cancelled`` bound the work as in :meth:`tokenize`.
         """
         from .chat import check_messages
         from .chat_tokens import tokenize_chat
 
         check_messages(list(messages), roles=None)  # the template decides which roles it knows
-        return tokenize_chat(self._chat_template(), self.target, list(messages))
+        return tokenize_chat(self._chat_template(), self.target, list(messages), max_tokens=max_tokens,
+                             cancelled=cancelled)
 
     def _chat_template(self):
         """The Engine's chat_template (a llama.cpp built-in's name or Jinja

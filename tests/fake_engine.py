@@ -27,6 +27,7 @@ import pytest
 from mars_local import Chunk, Generation
 from mars_local.generation import TokenLogprob
 from mars_local.chat import check_messages
+from mars_local.chat_tokens import PromptTooLong, TokenizingCancelled
 from mars_local.errors import MarsError
 from mars_local.stats import SpecStats
 
@@ -80,17 +81,25 @@ class FakeEngine:
     def piece(self, token: int, special: bool = False) -> bytes:
         return bytes([token])
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def tokenize(self, text: str, *, max_tokens: int | None = None, cancelled=None) -> list[int]:
+        """Bytes; with ``max_tokens``, a longer text is PromptTooLong and ``cancelled()`` is asked
+        first (as the real engine does between fragments)."""
+        if cancelled is not None and cancelled():
+            raise TokenizingCancelled()
+        toks = list(text.encode("utf-8"))
+        if max_tokens is not None and len(toks) > max_tokens:
+            raise PromptTooLong(len(toks), max_tokens, exact=True)
+        return toks
 
     def detokenize(self, tokens) -> str:
         return bytes(tokens).decode("utf-8", "replace")
 
-    def chat_prompt(self, messages) -> list[int]:
+    def chat_prompt(self, messages, *, max_tokens: int | None = None, cancelled=None) -> list[int]:
         if not self.has_chat_template:
             raise MarsError("fake.gguf has no chat template; prompt it without chat formatting")
         check_messages(list(messages))
-        return self.tokenize("".join(f"<{m['role']}>{m['content']}" for m in messages))
+        return self.tokenize("".join(f"<{m['role']}>{m['content']}" for m in messages), max_tokens=max_tokens,
+                             cancelled=cancelled)
 
     @property
     def configs(self) -> list:

@@ -14,6 +14,7 @@ from mars_local.server.app import MAX_BODY, ServerSettings, create_app
 
 KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+JSON = {"Content-Type": "application/json"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
@@ -21,7 +22,7 @@ def client(engine=None, **settings) -> TestClient:
     eng = engine or FakeEngine(reply="hello world", chunk=2)
     s = ServerSettings(GenerateConfig.make(max_tokens=-1), "fake", ("fake.gguf",), **{"api_key": KEY, "log": False,
                                                                                         **settings})
-    c = TestClient(create_app(eng, s), raise_server_exceptions=False)
+    c = TestClient(create_app(eng, s), raise_server_exceptions=False, base_url="http://127.0.0.1:8080")
     c.engine = eng
     return c
 
@@ -125,12 +126,13 @@ def test_unknown_model_is_404(api):
     (json.dumps({**CHAT, "max_tokens": "9"}).encode(), 400, None, "max_tokens"),
 ])
 def test_bad_bodies(api, body, status, code, param):
-    err(api.post("/v1/chat/completions", content=body, headers=AUTH), status, code, param)
+    err(api.post("/v1/chat/completions", content=body, headers={**AUTH, **JSON}), status, code, param)
     assert api.engine.calls == []
 
 
 def test_a_body_over_the_limit_is_413(api):
-    e = err(api.post("/v1/completions", content=b"x" * (MAX_BODY + 10), headers=AUTH), 413, "request_too_large")
+    e = err(api.post("/v1/completions", content=b"x" * (MAX_BODY + 10), headers={**AUTH, **JSON}), 413,
+            "request_too_large")
     assert "MiB" in e["message"]
     assert api.post("/v1/completions", json={"prompt": "a"}, headers=AUTH).status_code == 200
 

@@ -27,7 +27,9 @@ def test_defaults_come_from_the_server():
     (dict(max_completion_tokens=9), lambda c: c.max_tokens == 9),
     (dict(temperature=0.7, top_p=0.5, seed=3), lambda c: (c.sampling.temperature, c.sampling.top_p, c.sampling.seed) == (0.7, 0.5, 3)),
     (dict(stop="END"), lambda c: c.stop == ("END",)),
-    (dict(stop=["a", "", "b"]), lambda c: c.stop == ("a", "b")),
+    (dict(stop=["a", "b"]), lambda c: c.stop == ("a", "b")),
+    (dict(stop=[]), lambda c: c.stop == ()),
+    (dict(min_p=0.0, top_k=0, repeat_last_n=-1), lambda c: (c.sampling.min_p, c.sampling.top_k, c.repeat_last_n) == (0, 0, -1)),
     (dict(presence_penalty=1.5, frequency_penalty=-0.5), lambda c: (c.presence_penalty, c.frequency_penalty) == (1.5, -0.5)),
     (dict(top_k=5, min_p=0.1, repeat_penalty=1.2, ignore_eos=True), lambda c: (c.sampling.top_k, c.sampling.min_p, c.repeat_penalty, c.ignore_eos) == (5, 0.1, 1.2, True)),
     (dict(speculative={"verify": "strict", "theta": 0.5, "draft_max": 3, "adaptive": False}),
@@ -66,6 +68,18 @@ def test_fields_map_onto_the_config(fields, check):
     (dict(response_format={"type": "json_schema", "json_schema": {}}), "response_format.json_schema.schema", "object"),
     (dict(stream_options={"include_usage": 1}), "stream_options.include_usage", "a boolean"),
     (dict(model=5), "model", "a string"),
+    # the CLI's rules (GenerateConfig's), not ranges of the server's own
+    (dict(stop=""), "stop", "non-empty"),
+    (dict(stop=["a", "", "b"]), "stop", "non-empty"),
+    (dict(min_p=1), "min_p", "[0, 1)"),
+    (dict(min_p=1.5), "min_p", "[0, 1)"),
+    (dict(min_p=-0.1), "min_p", "[0, 1)"),
+    (dict(top_k=-1), "top_k", "top-k must be >= 0"),
+    (dict(repeat_last_n=-2), "repeat_last_n", "repeat-last-n must be >= -1"),
+    (dict(tool_choice="auto"), "tool_choice", "needs 'tools'"),
+    (dict(tool_choice="none"), "tool_choice", "needs 'tools'"),
+    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "needs 'tools'"),
+    (dict(function_call="auto"), "function_call", "needs 'functions'"),
 ])
 def test_bad_fields_are_400_naming_the_field(fields, param, words):
     with pytest.raises(ApiError) as e:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from ..errors import MarsError
 
-__all__ = ["bind", "is_loopback", "run_server", "check_installed"]
+__all__ = ["bind", "is_loopback", "host_name", "check_origin", "check_allowed_host", "run_server", "check_installed"]
 
 
 def check_installed() -> None:
@@ -40,6 +40,51 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def host_name(value: str) -> str:
+    """The host of a ``Host`` header (or a host given on the command line): lower
+    case, without the port, an IPv6 address without its brackets."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        end = v.find("]")
+        return v[1:end] if end > 0 else v
+    if v.count(":") == 1:  # name:port (more colons: a bare IPv6 address)
+        v = v.partition(":")[0]
+    return v
+
+
+def check_origin(value: str) -> str:
+    """A ``--cors`` value as browsers send it in ``Origin`` (scheme and host in lower
+    case, no default port), or '*'; a MarsError for anything else."""
+    from urllib.parse import urlsplit
+
+    if value.strip() == "*":
+        return "*"
+    bad = MarsError(f"--cors {value!r}: an origin is scheme://host[:port] with scheme http or https "
+                    "(e.g. http://localhost:3000), or '*' for any")
+    try:
+        u = urlsplit(value.strip())
+        port = u.port
+    except ValueError:
+        raise bad from None
+    if (u.scheme.lower() not in ("http", "https") or not u.hostname or u.path or u.query or u.fragment
+            or "@" in u.netloc or value.strip().endswith(("?", "#"))):
+        raise bad
+    scheme, host = u.scheme.lower(), u.hostname.lower()
+    host = f"[{host}]" if ":" in host else host
+    default = 80 if scheme == "http" else 443
+    return f"{scheme}://{host}" + (f":{port}" if port is not None and port != default else "")
+
+
+def check_allowed_host(value: str) -> str:
+    """An ``--allowed-host`` value (a host name or address, no port), lower case; a
+    MarsError for anything else."""
+    name = host_name(value)
+    if not name or name != value.strip().lower().strip("[]") or any(c in name for c in "/@?#* \t"):
+        raise MarsError(f"--allowed-host {value!r}: give a host name or address without scheme or port "
+                        "(e.g. mybox.lan)")
+    return name
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -5,6 +5,13 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``.  Every error is OpenAI's
 shape ``{"error": {"message", "type", "param", "code"}}``; nothing a client
 sends can stop the server (the generation thread catches everything).
+
+Browsers are kept out unless the user lets them in (:class:`_Guard`, before
+everything else): a request with an ``Origin`` not in ``--cors`` is refused
+(403), so a web page cannot make a local server generate for it, and while
+the server listens on loopback a ``Host`` that is not a loopback name or one
+the user allowed is refused (403), so a DNS-rebinding page cannot read its
+answers.  POST bodies must be sent as ``application/json`` (415 otherwise).
 """
 
 from __future__ import annotations
@@ -21,10 +28,12 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..generation import GenerateConfig
+from . import host_name, is_loopback
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .requests import ApiError, Request, parse_chat, parse_completion
 from .responses import ResponseMaker, cached_tokens
@@ -49,10 +58,51 @@ class ServerSettings:
     log: bool = True  # one line per generation on stderr
     info: dict = field(default_factory=dict)  # extra /v1/models fields (drafter, verify)
     cors: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
+    host: str = "127.0.0.1"  # the address listened on: on loopback, Host headers are checked
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback ones (checked whenever given)
 
 
 def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+class _Guard:
+    """ASGI middleware: the browser and DNS-rebinding checks (the module docstring), then
+    the media type of POST bodies; each refusal in OpenAI's error shape."""
+
+    def __init__(self, app, settings: ServerSettings):
+        self.app = app
+        self.cors = {o.lower() for o in settings.cors}
+        self.check_host = is_loopback(host_name(settings.host)) or bool(settings.allowed_hosts)
+        self.hosts = {host_name(settings.host), *(host_name(h) for h in settings.allowed_hosts)}
+
+    def refusal(self, scope) -> ApiError | None:
+        headers = Headers(scope=scope)
+        host = headers.get("host")
+        if self.check_host and host is not None and not self.host_allowed(host):
+            return ApiError(403, f"the Host {host!r} is not a name of this server (a DNS-rebinding page?); "
+                            "start the server with --allowed-host NAME to accept it",
+                            type="permission_error", code="host_not_allowed")
+        origin = headers.get("origin")
+        if origin is not None and "*" not in self.cors and origin.lower() not in self.cors:
+            return ApiError(403, f"requests from web pages on {origin!r} are not allowed; start the server with "
+                            "--cors ORIGIN to let a page call it from a browser",
+                            type="permission_error", code="origin_not_allowed")
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").partition(";")[0].strip().lower()
+            if kind != "application/json":
+                return ApiError(415, "the request body must be JSON sent with 'Content-Type: application/json', "
+                                f"got {kind or 'no Content-Type'}", code="unsupported_media_type")
+        return None
+
+    def host_allowed(self, host: str) -> bool:
+        name = host_name(host)
+        return name in self.hosts or is_loopback(name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (exc := self.refusal(scope)) is not None:
+            return await _error(exc)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _CountRequests:
@@ -103,6 +153,18 @@ class _Server:
             raise ApiError(404, f"the model {model!r} does not exist on this server; it serves "
                            f"{self.settings.model_id!r}", param="model", code="model_not_found")
 
+    def check_size(self, req: Request) -> None:
+        """Prompts that cannot fit, refused before they wait for the engine: every chat
+        message renders to at least one token (in any real template), a token id is one."""
+        n_ctx = self.engine.n_ctx
+        if req.kind == "chat" and len(req.messages) >= n_ctx:
+            raise ApiError(400, f"the request has {len(req.messages)} messages but the context holds {n_ctx} "
+                           "tokens, and every message takes at least one; send fewer messages or start the "
+                           "server with a larger -c", param="messages", code="context_length_exceeded")
+        if isinstance(req.prompt, list) and len(req.prompt) >= n_ctx:
+            raise ApiError(400, f"the prompt is {len(req.prompt)} tokens but the context holds {n_ctx}; shorten it "
+                           "or start the server with a larger -c", param="prompt", code="context_length_exceeded")
+
     @staticmethod
     async def body(request: HttpRequest):
         """The request's JSON (at most MAX_BODY bytes: 413 beyond, after draining what was sent)."""
@@ -134,6 +196,7 @@ class _Server:
         self.auth(request)
         req: Request = parse(await self.body(request), self.settings.defaults)
         self.check_model(req.model)
+        self.check_size(req)
         job = Job(req, asyncio.get_running_loop(), endpoint)
         self.worker.submit(job)  # 503 when the queue is full
         self.metrics.queue_depth.set(self.worker.waiting)
@@ -287,6 +350,7 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors), allow_methods=["GET", "POST"],
                            allow_headers=["*"])
+    app.add_middleware(_Guard, settings=settings)  # outside CORS: a foreign origin's preflight is refused too
     app.add_middleware(_CountRequests, metrics=srv.metrics)
     return app
 

@@ -11,13 +11,14 @@ Field glossary (OpenAI name → GenerateConfig):
 
 max_tokens, max_completion_tokens  max_tokens (absent: the server's -n)
 temperature, top_p, seed           sampling (absent: the server's flags)
-stop                               stop (a string or a list of strings)
+stop                               stop (a string or a list of non-empty strings, as the CLI)
 presence_penalty, frequency_penalty  the same (-2..2, OpenAI's range)
 logprobs, top_logprobs             logprobs (the top-N count; see ``n_top``)
 response_format                    grammar (json_object: any JSON; json_schema: that schema)
 speculative                        our extension: enabled, verify, theta, draft_max, adaptive
 top_k, min_p, repeat_penalty, repeat_last_n, ignore_eos, grammar
-                                   llama.cpp server extensions, same meaning as the CLI flags
+                                   llama.cpp server extensions, same meaning and ranges as the
+                                   CLI flags (GenerateConfig checks them)
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def _unsupported(body: dict) -> None:
     for name in ("tools", "functions", "logit_bias"):
         if body.get(name):
             raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+    for name, needs in (("tool_choice", "tools"), ("function_call", "functions")):
+        if body.get(name) is not None:  # OpenAI refuses these without their tools, and this server has none
+            raise ApiError(400, f"'{name}' needs '{needs}', and this server does not support tools", param=name)
     if body.get("echo"):
         raise ApiError(400, "'echo' is not supported by this server", param="echo")
     if body.get("suffix"):
@@ -171,13 +175,20 @@ def _stop(body: dict) -> tuple[str, ...] | None:
         raise ApiError(400, f"'stop' must be a string or an array of strings, got {_kind(stop)}", param="stop")
     if len(stop) > 16:
         raise ApiError(400, f"'stop' may hold at most 16 strings, got {len(stop)}", param="stop")
-    return tuple(s for s in stop if s)  # OpenAI ignores empty stop strings
+    return tuple(stop)  # an empty string is GenerateConfig's error, as on the command line
 
 
 def _response_format(body: dict) -> str | None:
     """The GBNF that ``response_format`` (or the ``grammar`` extension) asks for, or None."""
     rf = _field(body, "response_format", (dict,))
     grammar = _field(body, "grammar", (str,))
+    if grammar is not None:
+        from ..grammar import check_grammar_text
+
+        try:  # cheap (linear), before the request waits in the queue: no grammar holds the engine
+            check_grammar_text(grammar)
+        except MarsError as exc:
+            raise ApiError(400, f"'grammar': {exc}", param="grammar") from None
     if rf is None or rf.get("type") in (None, "text"):
         return grammar
     if grammar is not None:
@@ -214,13 +225,14 @@ def _common(body: Any, defaults: GenerateConfig, max_tokens_names: tuple[str, ..
     if _num(body, "top_p", 0, 1) == 0:  # OpenAI allows 0: only the most likely token, i.e. greedy
         cfg = _with(cfg, "top_p", temperature=0.0)
         body = {k: v for k, v in body.items() if k not in ("top_p", "temperature")}
-    for name, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", 0, 1),
+    # OpenAI's ranges for OpenAI's fields; llama.cpp's extensions take GenerateConfig's (the CLI's) ranges
+    for name, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", None, None),
                          ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
         v = _num(body, name, lo, hi)
         if v is not None:
             cfg = _with(cfg, name, **{name: float(v)})
-    for name, lo in (("top_k", 0), ("repeat_last_n", -1)):
-        v = _num(body, name, lo, integer=True)
+    for name in ("top_k", "repeat_last_n"):
+        v = _num(body, name, integer=True)
         if v is not None:
             cfg = _with(cfg, name, **{name: v})
     seed = _num(body, "seed", integer=True)

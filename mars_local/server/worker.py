@@ -10,8 +10,8 @@ A :class:`Job` is one request's way through: the worker reports
 ``("start", n_prompt)``, then ``("chunk", Chunk)`` per verify round, then
 ``("done", SpecStats)`` — or ``("error", ApiError)`` — to the event loop's
 queue.  :meth:`Job.cancel` (a client that went away) is seen by the worker
-after the round in progress: the stream is closed and the engine is free
-for the next request.  Several sequences decoded in one batch would replace
+after the round in progress, or between two fragments of a prompt being
+tokenized: the stream is closed and the engine is free for the next request.  Several sequences decoded in one batch would replace
 this loop with a scheduler over the same Job interface.
 """
 
@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..chat_tokens import PromptTooLong, TokenizingCancelled
 from ..errors import MarsError
 from .requests import ApiError, Request
 
@@ -132,19 +133,30 @@ class Worker:
             if final is not None:
                 job.emit(*final)
 
-    def _prompt(self, req: Request) -> list[int]:
-        eng = self.engine
-        if req.kind == "chat":
-            if not eng.has_chat_template:
-                raise ApiError(400, "the model has no chat template; start the server with --chat-template "
-                               "NAME|FILE or use /v1/completions", param="messages")
-            toks = eng.chat_prompt(req.messages)
+    def _prompt(self, job: Job) -> list[int]:
+        """The request's prompt tokens.  Tokenizing stops as soon as the prompt is known
+        not to fit (a text too long for the context is refused before it is tokenized at
+        all) or the client has gone (see :func:`mars_local.chat_tokens.tokenize_text`)."""
+        req, eng = job.request, self.engine
+        bounds = {"max_tokens": eng.n_ctx - 1, "cancelled": lambda: job.cancelled}
+        n, exact = None, True
+        try:
+            if req.kind == "chat":
+                if not eng.has_chat_template:
+                    raise ApiError(400, "the model has no chat template; start the server with --chat-template "
+                                   "NAME|FILE or use /v1/completions", param="messages")
+                toks = eng.chat_prompt(req.messages, **bounds)
+            else:
+                toks = eng.tokenize(req.prompt, **bounds) if isinstance(req.prompt, str) else list(req.prompt)
+        except PromptTooLong as exc:
+            n, exact = exc.n_tokens, exc.exact
         else:
-            toks = eng.tokenize(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        if len(toks) >= eng.n_ctx:
+            if len(toks) >= eng.n_ctx:
+                n = len(toks)
+        if n is not None:
             param = "messages" if req.kind == "chat" else "prompt"
-            raise ApiError(400, f"the prompt is {len(toks)} tokens but the context holds {eng.n_ctx}; "
-                           "shorten it or start the server with a larger -c", param=param,
+            raise ApiError(400, f"the prompt is {'' if exact else 'at least '}{n} tokens but the context holds "
+                           f"{eng.n_ctx}; shorten it or start the server with a larger -c", param=param,
                            code="context_length_exceeded")
         return toks
 
@@ -163,8 +175,11 @@ class Worker:
             return "cancelled", (final if self._stopping.is_set() else None)
         job.t_start = time.monotonic()
         try:
-            tokens = self._prompt(job.request)
+            tokens = self._prompt(job)
             stream = self.engine.stream(tokens, job.request.config)
+        except TokenizingCancelled:  # the client went away while its prompt was being tokenized
+            return "cancelled", (("error", ApiError(503, "the server is shutting down", type="server_error"))
+                                 if self._stopping.is_set() else None)
         except ApiError as exc:
             return "rejected", ("error", exc)
         except MarsError as exc:
