@@ -20,6 +20,7 @@ from . import cli_batch, cli_bench, cli_chat, cli_models, cli_serve
 from . import cli_common as opt
 from .cli_options import read_text_file
 from .errors import MarsError
+from .textfile import MAX_PROMPT_BYTES, decode_text, read_stream
 
 
 def _one_line(msg: str) -> str:
@@ -75,6 +76,10 @@ class MarsGroup(TyperGroup):
         except BrokenPipeError:
             _quiet_stdout()
             code = 0
+        except MemoryError:  # a limit (ulimit -v) reached: one line, not a traceback
+            echo("error: out of memory (the input or the model is too large for the memory this process may use)",
+                 err=True)
+            code = 2
         except OSError as exc:
             where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
             echo(f"error: {exc.strerror or exc}{where}", err=True)
@@ -120,11 +125,11 @@ def read_prompt(prompt: Optional[str], what: str = "PROMPT") -> str:
     if prompt is None or prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise MarsError("no prompt given (pass PROMPT, -p TEXT, -f FILE, or '-' with text on standard input)")
-        buf = getattr(sys.stdin, "buffer", None)
-        if buf is not None:
-            prompt = opt.decode_utf8(buf.read(), "standard input")
-        else:
-            prompt = opt.valid_utf8(sys.stdin.read(), "standard input")
+        raw = read_stream(getattr(sys.stdin, "buffer", None) or sys.stdin, MAX_PROMPT_BYTES, "standard input",
+                          "a prompt")
+        if b"\x00" in raw:
+            decode_text(raw, "standard input")  # binary: refused, naming the line
+        prompt = opt.decode_utf8(raw, "standard input")
     else:
         prompt = opt.valid_utf8(prompt, what)
     if not prompt.strip():

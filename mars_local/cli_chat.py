@@ -56,10 +56,13 @@ def chat(
         except (ValueError, OSError):  # pragma: no cover
             pass
     waiting = _input_waiting()
+    read_line = input if waiting is not _never else _PipedLines(sys.stdin)
     try:
         while True:
             try:
-                msg = read_message(input, waiting)
+                if read_line is not input:
+                    read_line.new_message()
+                msg = read_message(read_line, waiting)
             except EOFError:
                 echo("")
                 break
@@ -88,18 +91,59 @@ def chat(
         eng.close()
 
 
+def _never() -> bool:
+    return False
+
+
+class _PipedLines:
+    """``input(prompt)`` for input that is not a terminal, bounded: a message (its lines
+    since :meth:`new_message`) over MAX_PROMPT_BYTES characters, or a NUL byte (binary
+    input such as /dev/zero), ends the chat with one line instead of reading on."""
+
+    def __init__(self, stream):
+        self.stream, self.used = stream, 0
+
+    def new_message(self) -> None:
+        self.used = 0
+
+    def __call__(self, prompt: str = "") -> str:
+        from .textfile import MAX_PROMPT_BYTES, format_size
+
+        if prompt:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+        if self.stream is None:
+            raise EOFError
+        parts = []
+        while True:
+            part = self.stream.readline(min(1 << 20, MAX_PROMPT_BYTES + 1 - self.used))
+            if "\x00" in part:
+                raise MarsError("standard input is binary, not text (a NUL byte)")
+            self.used += len(part)
+            if self.used > MAX_PROMPT_BYTES:
+                raise MarsError(f"a message on standard input is larger than {format_size(MAX_PROMPT_BYTES)}, "
+                                "the limit for a prompt")
+            parts.append(part)
+            if not part or part.endswith("\n"):
+                break
+        line = "".join(parts)
+        if not line:
+            raise EOFError
+        return line.removesuffix("\n")
+
+
 def _input_waiting() -> Callable[[], bool]:
     """Whether a typed line has already arrived, unread (several lines pasted
-    at once): asked of the terminal on POSIX; never, for piped input (each
-    line its own message) or where select cannot tell."""
+    at once): asked of the terminal on POSIX; never (``_never``), for piped input
+    (each line its own message) or where select cannot tell."""
     try:
         import select
 
         fd = sys.stdin.fileno()
         if os.name != "posix" or not os.isatty(fd):
-            return lambda: False
+            return _never
     except (ImportError, AttributeError, ValueError, OSError):
-        return lambda: False
+        return _never
 
     def waiting() -> bool:
         try:

@@ -119,7 +119,7 @@ CHAT_TEMPLATE = typer.Option(
 )
 FAST_KERNELS = typer.Option(
     False, "--fast-kernels",
-    help="Allow llama.cpp's repacked weight kernels for the target (~10%% faster on K-quants on CPU); "
+    help="Allow llama.cpp's repacked weight kernels for the target (~10% faster on K-quants on CPU); "
     "strict greedy output may then differ from plain decoding at near-ties.",
 )
 
@@ -352,6 +352,8 @@ class GenOptions:
         if self.draft_max is not None and not 0 <= self.draft_max <= MAX_DRAFT:
             raise MarsError(f"{flag_as_typed('draft_max')} must be in 0..{MAX_DRAFT}, got {self.draft_max}")
         self.check_controls()
+        if self.rpc_draft and self.rpc is None:
+            raise MarsError(f"{flag_as_typed('rpc_draft')} needs --rpc HOST:PORT (the servers to put the draft on)")
         self.template()  # read a template file now, before any model loads
         from .rpc import parse_endpoints, parse_tensor_split
 
@@ -362,6 +364,8 @@ class GenOptions:
         """The output controls' ranges, naming the flag as typed (GenerateConfig has the same rules)."""
         import math
 
+        if not (math.isfinite(self.temp) and self.temp >= 0):
+            raise MarsError(f"{flag_as_typed('temp')} must be a finite number >= 0 (0 = greedy), got {self.temp}")
         for s in self.stop or ():
             if not s:
                 raise MarsError(f"{flag_as_typed('stop')} needs a non-empty string")
@@ -421,13 +425,22 @@ class GenOptions:
     def engine(self, choice: ModelChoice):
         """The Engine, then one warning line per questionable setting (as llama.cpp does)."""
         from .cli_options import open_engine
+        from .runtime import read_busy_note
 
         eng = open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels,
                           self.template(), self.rpc, self.rpc_draft, self.tensor_split)
+        try:
+            self._check_grammar(eng)
+        except BaseException:
+            eng.close()
+            raise
         cores = os.cpu_count()
         if self.threads is not None and cores and self.threads > cores:
             warn(f"{flag_as_typed('threads')} {self.threads} is more than the {cores} CPU cores here; "
                  "it will likely be slower than -t " + str(cores))
+        busy = read_busy_note(getattr(eng, "n_threads", 0))
+        if busy:
+            warn(busy)
         used, requested, train = context_sizes(eng, self.ctx_size)
         if "ctx_size" in self.explicit and self.ctx_size > 0:
             c = f"{flag_as_typed('ctx_size')} {self.ctx_size}"
@@ -437,6 +450,18 @@ class GenOptions:
             elif used < requested:
                 warn(f"{c}: the context holds only {used} tokens")
         return eng
+
+    def _check_grammar(self, eng) -> None:
+        """Compile the grammar flag's GBNF once against the model's vocabulary, so that an invalid
+        grammar is one error now rather than one per generation (a server's every request, a
+        batch's every record)."""
+        text = self.grammar_text()
+        target = getattr(eng, "target", None)
+        if text is None or getattr(target, "vocab", None) is None:
+            return
+        from .grammar import GrammarState
+
+        GrammarState(target, text).close()
 
     def context_line(self, eng) -> str:
         """The context size used, and what was asked for when it differs."""

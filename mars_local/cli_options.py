@@ -7,22 +7,21 @@ Each returns what the API takes (text) or raises a one-line MarsError before a m
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from .cli_common import decode_utf8, valid_utf8
+from .cli_common import decode_utf8, typed_flag, valid_utf8
 from .errors import MarsError
-from .textfile import decode_text, read_bytes
+from .textfile import MAX_PROMPT_BYTES, MAX_TEMPLATE_BYTES, decode_text, is_file_path, read_bytes
 
 if TYPE_CHECKING:
     from .registry import ModelChoice
 
 
-def read_text_file(path: str, what: str, replace: bool = True) -> str:
+def read_text_file(path: str, what: str, replace: bool = True, limit: int = MAX_PROMPT_BYTES) -> str:
     """A UTF-8 text file given on the command line (invalid bytes replaced with one
     warning, as standard input; ``replace=False``: refused); MarsError (one line)
-    when it cannot be read."""
-    raw = read_bytes(path, f"{what} file")
+    when it cannot be read or is over ``limit`` bytes."""
+    raw = read_bytes(path, f"{what} file", limit)
     if not replace or b"\x00" in raw:
         return decode_text(raw, f"{what} file {path}")
     return decode_utf8(raw, f"{what} file {path}")
@@ -37,17 +36,16 @@ def chat_template_option(value: Optional[str]) -> Optional[str]:
     is no file is an error here."""
     if value is None:
         return None
-    value = valid_utf8(value, "--chat-template")
     if not value.strip():
         raise MarsError("--chat-template is empty; give a template name (e.g. chatml) or a Jinja file")
-    if "{%" in value or "{{" in value:
-        return value  # Jinja source text
-    p = Path(value)
-    if p.exists():
-        text = read_text_file(value, "chat template", replace=False)
+    if "{%" not in value and "{{" not in value and is_file_path(value):
+        text = read_text_file(value, "chat template", replace=False, limit=MAX_TEMPLATE_BYTES)
         if not text.strip():
             raise MarsError(f"chat template file {value} is empty")
         return text
+    value = valid_utf8(value, "--chat-template")
+    if "{%" in value or "{{" in value:
+        return value  # Jinja source text
     if os.sep in value or "/" in value or value.lower().endswith(_TEMPLATE_SUFFIXES):
         raise MarsError(f"chat template file not found: {value}")
     return value
@@ -68,21 +66,29 @@ def check_template(template: str, given: str) -> None:
 
 def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Optional[str]) -> Optional[str]:
     """GBNF text for --grammar FILE (or GBNF text itself, as llama.cpp's --grammar),
-    --json-schema FILE|JSON or --format json; at most one of them."""
-    from .grammar import load_grammar_option
+    --json-schema FILE|JSON or --format json; at most one of them.  Inline text that is
+    not UTF-8 has its bad bytes replaced (one warning, as every text argument); the
+    grammar's size and complexity are checked here, before any model loads."""
+    from .grammar import check_grammar_text, is_inline_json, load_grammar_option
 
-    if grammar is not None and "::=" in grammar and not Path(grammar).exists():
+    if grammar is not None and "::=" in grammar and not is_file_path(grammar):
         others = [n for n, v in (("--json-schema", json_schema), ("--format", fmt)) if v is not None]
         if others:
             raise MarsError(f"--grammar and {' and '.join(others)} cannot be combined; give one")
-        return grammar  # inline GBNF, as llama.cpp's --grammar takes it
+        text = valid_utf8(grammar, "--grammar")  # inline GBNF, as llama.cpp's --grammar takes it
+        check_grammar_text(text)
+        return text
     if grammar is not None and not grammar.strip():
         raise MarsError("--grammar is empty; give a GBNF file")
     if json_schema is not None and not json_schema.strip():
         raise MarsError("--json-schema is empty; give a JSON Schema (inline JSON or a file)")
+    if json_schema is not None and is_inline_json(json_schema):
+        json_schema = valid_utf8(json_schema, typed_flag(("--json-schema", "-j")))
     text = load_grammar_option(grammar, json_schema, fmt)
     if text is not None and not text.strip():
         raise MarsError(f"the grammar file {grammar} is empty")
+    if text is not None:
+        check_grammar_text(text)
     return text
 
 

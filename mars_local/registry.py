@@ -23,6 +23,7 @@ import yaml
 
 from .choices import DRAFTERS
 from .errors import MarsError
+from .textfile import is_file_path
 
 __all__ = [
     "ModelChoice", "ModelFile", "Pair", "Registry", "RegistryError", "bench_drafters", "choose_models",
@@ -295,8 +296,14 @@ def resolve_model(ref: str, registry: Registry | None = None) -> Path:
             raise MarsError(f"{ref} is not in the Hugging Face cache; download it first with `mars pull` ")
         return hit
     p = Path(ref).expanduser()
-    if p.exists() or not needs_registry(ref):
-        return p  # the loader reports a missing or invalid file clearly
+    if is_file_path(p) or not needs_registry(ref):
+        try:
+            p.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # the loader reports a missing or invalid file clearly
+        except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte
+            raise MarsError(f"cannot use the model path {ref!r}: {getattr(exc, 'strerror', None) or exc}") from None
+        return p
     reg = registry or load_registry()
     if ref in reg.pairs:
         return model_path(reg.get(ref), "target")
@@ -367,7 +374,7 @@ def choose_models(
         try:
             reg = load_registry()
         except RegistryError:
-            if not Path(model).expanduser().exists():
+            if not is_file_path(Path(model).expanduser()):
                 raise
     entry, draft = None, None
     if reg is not None and (model is None or model in reg.pairs):

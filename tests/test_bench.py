@@ -485,6 +485,7 @@ def bad_bench(tiny_target, tmp_path_factory):
         "bad json dir": (["--json", d / "no" / "b.json"], "no such directory"),
         "json is a directory": (["--json", d], "is a directory"),
         "plot is a directory": (["--plot", d], "is a directory"),
+        "plot name too long": (["--plot", d / ("p" * 300 + ".png")], "--plot"),
     }, t
 
 
@@ -493,6 +494,7 @@ BAD = [
     "theta zero", "theta not a number", "draft model missing", "bad drafter", "pair and model", "unknown pair",
     "no binaries", "one binary missing", "not a folder", "zero tokens", "zero k", "bad json dir",
     "fixed k not a number", "fixed k above draft max", "zero repeats", "json is a directory", "plot is a directory",
+    "plot name too long",
 ]
 
 

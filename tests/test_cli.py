@@ -178,7 +178,7 @@ def bad_cases(tiny_target, tiny_draft, tiny_other_vocab, not_gguf, truncated_ggu
         "theta zero": (["run", "hi", "-m", t, "--theta", "0"], "theta"),
         "theta not a number": (["run", "hi", "-m", t, "--theta", "abc"], "--theta"),
         "negative k": (["run", "hi", "-m", t, "--draft-max", "-2"], "draft-max"),
-        "negative temperature": (["run", "hi", "-m", t, "--temp", "-1"], "temperature"),
+        "negative temperature": (["run", "hi", "-m", t, "--temp", "-1"], "--temp must be a finite number"),
         "zero tokens": (["run", "hi", "-m", t, "-n", "0"], "tokens"),
         "bad verify": (["run", "hi", "-m", t, "--verify", "loose"], "verify"),
         "bad drafter": (["run", "hi", "-m", t, "--drafter", "magic"], "drafter"),

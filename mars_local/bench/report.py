@@ -213,14 +213,17 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     """A one-line MarsError now when ``path`` could not be written at the end of a run
     (a directory, a missing or read-only folder, a read-only file); creates nothing."""
     p = Path(path)
-    if p.is_dir():
-        raise MarsError(f"{flag} {p}: is a directory; give a file name")
-    if not p.parent.is_dir():
-        raise MarsError(f"{flag} {p}: no such directory {p.parent}")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise MarsError(f"{flag} {p}: the file is not writable")
-    if not p.exists() and not os.access(p.parent, os.W_OK | os.X_OK):
-        raise MarsError(f"{flag} {p}: cannot create a file in {p.parent}")
+    try:
+        if p.is_dir():
+            raise MarsError(f"{flag} {p}: is a directory; give a file name")
+        if not p.parent.is_dir():
+            raise MarsError(f"{flag} {p}: no such directory {p.parent}")
+        if p.exists() and not os.access(p, os.W_OK):
+            raise MarsError(f"{flag} {p}: the file is not writable")
+        if not p.exists() and not os.access(p.parent, os.W_OK | os.X_OK):
+            raise MarsError(f"{flag} {p}: cannot create a file in {p.parent}")
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise MarsError(f"{flag} {p}: {exc.strerror or exc}") from None
 
 
 def write_json(result: BenchResult, path: str | os.PathLike) -> None:
