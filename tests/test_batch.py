@@ -57,6 +57,11 @@ def ids_in(path: Path) -> list:
     return [json.loads(x)["id"] for x in path.read_text().splitlines()]
 
 
+def rec(id, text="t") -> str:
+    """One record as mars batch writes it (without its newline)."""
+    return json.dumps({"mars_batch": 1, "id": id, "text": text, "stats": {}})
+
+
 @pytest.fixture()
 def two(tmp_path) -> Path:
     return write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hello"}, {"id": 2, "prompt": "world"}])
@@ -79,7 +84,7 @@ def test_batch_prompts_messages_settings_and_malformed_lines(tiny_target, tmp_pa
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["id"] for x in rows] == [1, "two", 5]
     assert rows[1]["stats"]["n_generated"] <= 3
-    assert all(set(x) == {"id", "text", "stats"} for x in rows)
+    assert all(set(x) == {"mars_batch", "id", "text", "stats"} and x["mars_batch"] == 1 for x in rows)
     # rerun: nothing new to generate, nothing duplicated (the bad lines are still reported)
     again = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 6)
     assert again.exit_code == EXIT_SKIPPED and len(out.read_text().splitlines()) == 3
@@ -155,7 +160,10 @@ NOT_OURS = {
     "json-without-text": b'{"id": 1}\n{"id": 2}\n',
     "json-array": b"[1, 2, 3]\n",
     "jsonl-input-like": b'{"id": 1, "prompt": "hello"}\n',
-    "ours-then-notes": b'{"id": 1, "text": "a", "stats": {}}\nmy notes\n',
+    "ours-then-notes": (rec(1) + "\nmy notes\n").encode(),
+    "user-id-and-text": b'{"id":"zz","text":"x"}\n',
+    "user-id-and-text-after-ours": (rec(1) + '\n{"id":"zz","text":"x"}\n').encode(),
+    "torn-without-mark": b'{"id": 1, "te',
     "binary": b"\x00\x01\x02GGUF\xff\xfe\n\x00",
     "not-utf8": b'{"id": 1, "text": "caf\xe9"}\n',
 }
@@ -173,7 +181,7 @@ def test_refuses_an_output_that_is_not_mars_jsonl(fake_engine, two, tmp_path, co
 # ------------------------------------------- 2. the last record of our output
 def test_last_record_without_newline_is_kept(fake_engine, two, tmp_path):
     out = tmp_path / "out.jsonl"
-    first = '{"id": 1, "text": "kept as written", "stats": {}}'
+    first = rec(1, "kept as written")
     out.write_text(first)  # complete record, no trailing newline (e.g. edited by hand)
     r = invoke("batch", two, "-o", out, "-m", FAKE, "-n", 3)
     no_traceback(r)
@@ -186,29 +194,29 @@ def test_last_record_without_newline_is_kept(fake_engine, two, tmp_path):
 
 def test_torn_last_line_is_cut_with_a_note(fake_engine, two, tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b", "st')
+    out.write_text(rec(1, "a") + "\n" + rec(2, "b")[:40])
     r = invoke("batch", two, "-o", out, "-m", FAKE, "-n", 3)
     no_traceback(r)
     assert r.exit_code == 0, r.output
     assert "incomplete last line" in r.stderr
     assert ids_in(out) == [1, 2]
-    assert out.read_text().startswith('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": ')
+    assert out.read_text().startswith(rec(1, "a") + '\n{"mars_batch": 1, "id": 2, "text": ')
 
 
 def test_done_ids_cuts_a_torn_line_and_completes_a_record(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text('{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b", "st')
+    out.write_text(rec(1, "a") + "\n" + rec(2, "b")[:40])
     assert done_ids(out) == {"1"}
-    assert out.read_text() == '{"id": 1, "text": "a", "stats": {}}\n'
-    out.write_text('{"id": 1, "text": "a", "stats": {}}')
+    assert out.read_text() == rec(1, "a") + "\n"
+    out.write_text(rec(1, "a"))
     assert done_ids(out) == {"1"}
-    assert out.read_text() == '{"id": 1, "text": "a", "stats": {}}\n'
+    assert out.read_text() == rec(1, "a") + "\n"
 
 
 @pytest.mark.parametrize("content", [
-    b'{"id": 1, "text": "a", "stats": {}}\ngarbage\n{"id": 2, "text": "b", "stats": {}}\n',  # bad middle line
-    b'{"id": 1, "text": "a", "stats": {}}\ngarbage\n',  # a complete (terminated) bad last line is not torn
-    b'{"id": 1, "text": "a", "stats": {}}\n{"id": 2, "text": "b"\n',
+    (rec(1) + "\ngarbage\n" + rec(2) + "\n").encode(),  # bad middle line
+    (rec(1) + "\ngarbage\n").encode(),  # a complete (terminated) bad last line is not torn
+    (rec(1) + "\n" + rec(2)[:40] + "\n").encode(),
 ], ids=["middle", "terminated-last", "terminated-unparsable-last"])
 def test_a_bad_line_that_is_not_a_torn_last_line_is_refused(fake_engine, two, tmp_path, content):
     out = tmp_path / "out.jsonl"
@@ -289,10 +297,10 @@ def test_duplicate_id_is_refused_even_when_already_done(fake_engine, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 7, "prompt": "x"}, {"id": 8, "prompt": "y"},
                                               {"id": 7, "prompt": "z"}])
     out = tmp_path / "out.jsonl"
-    out.write_text('{"id": 7, "text": "t", "stats": {}}\n')
+    out.write_text(rec(7) + "\n")
     line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 3))
     assert "7" in line and "lines 1 and 3" in line
-    assert out.read_text() == '{"id": 7, "text": "t", "stats": {}}\n'
+    assert out.read_text() == rec(7) + "\n"
 
 
 # ------------------------------------------------- 6. per-record validation
@@ -329,6 +337,8 @@ BAD_RECORDS = [
     ({"prompt": 5}, "'prompt'"),
     ({"id": True}, "'id'"),
     ({"id": 1.5e400}, "'id'"),
+    ({"id": 1.5}, "'id' must be a string or a whole number, got 1.5"),
+    ({"id": [1]}, "'id'"),
 ]
 
 
@@ -412,12 +422,12 @@ def test_unwritable_output_is_checked_before_the_model_loads_as_any_user(fake_en
     """Whether the output is writable is asked of os.access (faked here, so the test
     also runs as root, who can write anywhere)."""
     existing = tmp_path / "out.jsonl"
-    existing.write_text('{"id": 9, "text": "t", "stats": {}}\n')
+    existing.write_text(rec(9) + "\n")
     monkeypatch.setattr(os, "access", lambda *a, **k: False)
     for out in (tmp_path / "new.jsonl", existing):
         line = one_error_line(invoke("batch", two, "-o", out, "-m", FAKE))
         assert "not writable" in line, line
-    assert existing.read_text() == '{"id": 9, "text": "t", "stats": {}}\n'
+    assert existing.read_text() == rec(9) + "\n"
     assert fake_engine.opened == []
 
 
@@ -439,3 +449,174 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(tiny_target, tm
     assert done.returncode == 0, done.stderr
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert sorted(ids) == sorted(f"r{i}" for i in range(n))  # every id exactly once
+
+
+# ------------------------------------------------- one run per output: the lock
+def mars_batch(*args) -> list[str]:
+    return [sys.executable, "-m", "mars_local", "batch", *map(str, args)]
+
+
+def hold_lock(path: Path):
+    """Lock ``path`` the way mars batch does (an exclusive flock on the output file itself)."""
+    fcntl = pytest.importorskip("fcntl")
+    fh = open(path, "a")
+    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fh
+
+
+def test_a_second_run_on_a_locked_output_is_refused_naming_the_holder(tiny_target, two, tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(rec(1) + "\n")
+    with hold_lock(out):
+        r = subprocess.run(mars_batch(two, "-o", out, "-m", tiny_target, "-n", 2), capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "out.jsonl" in lines[0], r.stderr
+    if sys.platform.startswith("linux"):  # the holder's PID comes from /proc/locks
+        assert f"PID {os.getpid()}" in lines[0], lines[0]
+    assert out.read_text() == rec(1) + "\n"
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink", "new-file"])
+def test_the_lock_covers_every_name_of_the_output(fake_engine, two, tmp_path, monkeypatch, how):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out.jsonl"
+    if how != "new-file":
+        out.write_text(rec(1) + "\n")
+    before = out.read_bytes() if out.exists() else b""
+    with hold_lock(out):
+        name = "out.jsonl"
+        if how == "symlink":
+            os.symlink(out, name := "link.jsonl")
+        elif how == "hardlink":
+            os.link(out, name := "hard.jsonl")
+        line = one_error_line(invoke("batch", two, "-o", name, "-m", FAKE, "-n", 2))
+    assert name in line and "lock" in line, line
+    assert out.read_bytes() == before and fake_engine.opened == []
+    # the lock ends with its holder (closed, or killed: the kernel releases it): nothing stale blocks
+    assert invoke("batch", two, "-o", name, "-m", FAKE, "-n", 2).exit_code == 0
+    assert sorted(ids_in(out)) == [1, 2] and not list(tmp_path.glob("*.lock"))
+
+
+def test_a_run_that_writes_nothing_leaves_no_output_behind(fake_engine, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a"}])
+    fake_engine.fail_on = "a"
+    out = tmp_path / "out.jsonl"
+    assert invoke("batch", inp, "-o", out, "-m", FAKE).exit_code == EXIT_SKIPPED
+    assert not out.exists()
+
+
+# ------------------------------------------------- our own records: the mark, duplicates
+def test_an_output_from_before_the_mark_is_refused_with_a_way_forward(fake_engine, two, tmp_path):
+    out = tmp_path / "out.jsonl"
+    old = b'{"id": 1, "text": "a", "stats": {"n_generated": 1}}\n'
+    out.write_bytes(old)
+    line = one_error_line(invoke("batch", two, "-o", out, "-m", FAKE, "-n", 2))
+    assert "out.jsonl" in line and "older mars-local" in line and '"mars_batch"' in line
+    assert "rename" in line or "delete" in line
+    assert out.read_bytes() == old and fake_engine.opened == []
+
+
+def test_an_id_already_twice_in_the_output_is_named_and_not_written_again(fake_engine, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}, {"id": 7, "prompt": "y"},
+                                              {"id": "b", "prompt": "z"}])
+    out = tmp_path / "out.jsonl"
+    before = "".join(x + "\n" for x in (rec("a", "first"), rec(7), rec("a", "second"), rec("7")))
+    out.write_text(before)
+    r = invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 2)
+    no_traceback(r)
+    assert r.exit_code == 0, r.output
+    warn = [x for x in r.stderr.splitlines() if x.startswith("warning:")]
+    assert len(warn) == 1 and '"a"' in warn[0] and "7" in warn[0] and "first" in warn[0], r.stderr
+    assert out.read_text().startswith(before) and ids_in(out) == ["a", 7, "a", "7", "b"]
+    assert [c[0] for c in fake_engine.calls] == ["z"]
+
+
+# ------------------------------------------------- ids: one rule for duplicates and resume
+@pytest.mark.parametrize("a,b", [(1, 1.0), (7, "7"), (1000, 1e3)])
+def test_ids_that_mean_the_same_are_duplicates(fake_engine, tmp_path, a, b):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": a, "prompt": "x"}, {"id": b, "prompt": "y"}])
+    out = tmp_path / "out.jsonl"
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 2))
+    assert "duplicate id" in line and "lines 1 and 2" in line
+    assert not out.exists()
+
+
+def test_resume_matches_ids_by_value_and_writes_them_as_given(fake_engine, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "7", "prompt": "x"}, {"id": 2.0, "prompt": "y"},
+                                              {"id": "07", "prompt": "z"}])
+    out = tmp_path / "out.jsonl"
+    out.write_text(rec(7) + "\n")
+    r = invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 2)
+    assert r.exit_code == 0, r.output
+    assert [c[0] for c in fake_engine.calls] == ["y", "z"]  # "7" is done; "07" is another id
+    assert ids_in(out) == [7, 2.0, "07"]
+    assert '"id": 2.0,' in out.read_text()  # written as the input gave it
+    again = invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 2)
+    assert again.exit_code == 0 and "nothing to do" in again.stderr
+
+
+# ------------------------------------------------- OS errors on the output
+@pytest.mark.parametrize("path,why", [("/dev/full", "No space left on device"),
+                                      ("/proc/self/mem", "Input/output error")])
+def test_an_os_error_on_the_output_is_one_line_naming_it(fake_engine, two, path, why):
+    if not os.path.exists(path):
+        pytest.skip(f"{path} does not exist here")
+    line = one_error_line(invoke("batch", two, "-o", path, "-m", FAKE, "-n", 2))
+    assert path in line and why in line, line
+
+
+# ------------------------------------------------- progress and Ctrl-C
+def test_the_progress_bar_goes_to_stderr(fake_engine, two, tmp_path, monkeypatch):
+    monkeypatch.setattr("rich.console.Console.is_terminal", property(lambda self: True))  # as on a terminal
+    r = invoke("batch", two, "-o", tmp_path / "out.jsonl", "-m", FAKE, "-n", 2)
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "" and "2/2" in r.stderr
+
+
+def test_ctrl_c_says_how_far_it_got_and_exits_130(fake_engine, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": p} for i, p in
+                                              enumerate(["a", "b", "a long prompt", "d"], start=1)])
+    out = tmp_path / "out.jsonl"
+    fake_engine.reply, fake_engine.interrupt_after = "{prompt}", 2  # Ctrl-C in the 3rd chunk: only the long one
+    r = invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 20)
+    no_traceback(r)
+    assert r.exit_code == 130, r.output
+    assert r.stderr.strip().splitlines()[-1].startswith("interrupted: 2/4 records written to"), r.stderr
+    assert "rerun" in r.stderr and ids_in(out) == [1, 2]
+    fake_engine.interrupt_after = None
+    assert invoke("batch", inp, "-o", out, "-m", FAKE, "-n", 20).exit_code == 0
+    assert ids_in(out) == [1, 2, 3, 4]
+
+
+def test_sigint_mid_run_and_a_concurrent_run_through_the_real_entry_point(tiny_target, tmp_path):
+    n = 40
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"w{i} hello"} for i in range(n)])
+    out = tmp_path / "out.jsonl"
+    cmd = mars_batch(inp, "-o", out, "-m", tiny_target)
+    proc = subprocess.Popen([*cmd, "-n", "400", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and (not out.exists() or out.read_bytes().count(b"\n") < 1):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGSTOP)  # held still, lock and all, while a second run tries the output
+        second = subprocess.run([*cmd, "-n", "8"], capture_output=True, text=True)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, delivered as it goes on
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1 and "locked" in second.stderr, second.stderr
+    if sys.platform.startswith("linux"):
+        assert f"PID {proc.pid}" in second.stderr, second.stderr
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert stdout == ""
+    data = out.read_bytes()
+    written = data.count(b"\n")
+    assert 1 <= written < n and data.endswith(b"\n")  # really interrupted, the last record whole
+    assert f"interrupted: {written}/{n} records written to {out}" in stderr and "rerun" in stderr, stderr
+    assert all(json.loads(x)["mars_batch"] == 1 for x in data.splitlines())
+    done = subprocess.run([*cmd, "-n", "8"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(ids_in(out)) == sorted(f"r{i}" for i in range(n))  # every id exactly once

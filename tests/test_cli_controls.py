@@ -345,8 +345,8 @@ def test_batch_logprobs_field_adds_logprobs_to_that_record_only(fake_engine, tmp
         {"token": o, "logprob": -o / 1000, "text": "o", "top": [{"token": o, "logprob": -o / 1000, "text": "o"}]},
         {"token": k, "logprob": -k / 1000, "text": "k", "top": [{"token": k, "logprob": -k / 1000, "text": "k"}]},
     ]
-    assert sorted(rows[1]) == ["id", "stats", "text"]
-    assert list(rows[0])[:3] == ["id", "text", "stats"]  # the output still starts with the id
+    assert sorted(rows[1]) == ["id", "mars_batch", "stats", "text"]
+    assert list(rows[0])[:4] == ["mars_batch", "id", "text", "stats"]  # the output still starts with mark and id
 
 
 BAD_FIELDS = [
