@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--fast-kernels", action="store_true", help="load the model with weight repacking on")
     a = ap.parse_args(argv)
-    from mars_local.batch_invariance import batch_invariance
+    from mars_local.llama.invariance import batch_invariance
 
     res = batch_invariance(a.model, tuple(int(x) for x in a.windows.split(",")), a.n, not a.fast_kernels, a.threads)
     bad = 0

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a grammar costs llama.cpp's sampler, as a function of its size: the measurement behind
-``mars_local.grammar.MAX_GRAMMAR_ALTERNATIVES`` and ``MAX_GRAMMAR_ELEMENTS``.
+``mars_local.speculate.grammar.MAX_GRAMMAR_ALTERNATIVES`` and ``MAX_GRAMMAR_ELEMENTS``.
 
     .venv/bin/python benchmarks/grammar_cost.py [MODEL.gguf] [--sizes 250,1000,2048,4000] [--family enum ...]
 
@@ -46,7 +46,7 @@ def _words(n: int) -> list[str]:
 
 
 def families():
-    from mars_local.grammar import _schema_gbnf as schema  # the converter's GBNF, before our limit
+    from mars_local.speculate.grammar import _schema_gbnf as schema  # the converter's GBNF, before our limit
 
     return {
         "enum": lambda n: schema({"enum": _words(n)}),
@@ -69,7 +69,7 @@ def families():
 def measure(model, text: str, row):
     import numpy as np
 
-    from mars_local.grammar import GrammarState, _init_grammar, check_grammar_text, grammar_cost
+    from mars_local.speculate.grammar import GrammarState, _init_grammar, check_grammar_text, grammar_cost
 
     t0 = time.thread_time()
     try:
@@ -112,11 +112,11 @@ def main(argv=None) -> None:
 
     import numpy as np
 
-    from mars_local.runtime import Model
+    from mars_local.llama.runtime import Model
 
     path = args.model
     if path is None:
-        from mars_local.registry import load_registry, model_path
+        from mars_local.models.registry import load_registry, model_path
 
         path = model_path(load_registry().get("smollm2-135m"), "target")
     model = Model(path)

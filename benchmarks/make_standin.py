@@ -116,7 +116,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, threads
     """``llama_model_quantize`` src -> dst (ftype e.g. "LLAMA_FTYPE_MOSTLY_F16"), atomically."""
     import llama_cpp
 
-    import mars_local.runtime  # noqa: F401  (routes llama.cpp's log away from the terminal)
+    import mars_local.llama.runtime  # noqa: F401  (routes llama.cpp's log away from the terminal)
 
     dst = Path(dst)
     tmp = dst.with_name(dst.name + ".tmp")
@@ -132,7 +132,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, threads
 
 
 def bundled_model() -> Path:
-    from mars_local.registry import load_registry, model_path
+    from mars_local.models.registry import load_registry, model_path
 
     reg = load_registry()
     return model_path(reg.get("smollm2-135m"), "target")

@@ -16,9 +16,9 @@ import numpy as np
 
 from mars_local.bench import load_prompts
 from mars_local.bench.runner import prompt_tokens
-from mars_local.engine import Engine, GenerateConfig
-from mars_local.errors import MarsError
-from mars_local.registry import load_registry
+from mars_local.speculate.engine import Engine, GenerateConfig
+from mars_local.core.errors import MarsError
+from mars_local.models.registry import load_registry
 
 
 def main(argv=None) -> int:

@@ -113,7 +113,7 @@ def main() -> int:
     ap.add_argument("--json", dest="json_out")
     args = ap.parse_args()
     if args.model is None or args.model_draft is None:
-        from mars_local.registry import load_registry, model_path
+        from mars_local.models.registry import load_registry, model_path
 
         bundled = model_path(load_registry().get("smollm2-135m"), "target")
         args.model_draft = args.model_draft or str(bundled)

@@ -25,7 +25,7 @@ TARGETS=${*:-F16 Q4_K_M}
 
 $PY benchmarks/make_standin.py
 [ -x "$BIN/llama-speculative-simple" ] || benchmarks/build_llama_tools.sh "$BIN"
-DRAFT=$($PY -c 'from mars_local.registry import load_registry, model_path; r = load_registry(); print(model_path(r.get("smollm2-135m"), "target"))')
+DRAFT=$($PY -c 'from mars_local.models.registry import load_registry, model_path; r = load_registry(); print(model_path(r.get("smollm2-135m"), "target"))')
 mkdir -p benchmarks/results
 for q in $TARGETS; do
     target=.cache/standin/smollm2-pad240-$q.gguf

@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from mars_local import native
-from mars_local.sampling import SamplingParams
-from mars_local.verify import VerifyConfig, verify
+from mars_local.speculate import native
+from mars_local.core.sampling import SamplingParams
+from mars_local.core.verify import VerifyConfig, verify
 
 VOCABS = (49152, 151936, 262144)
 KS = (4, 8, 16)

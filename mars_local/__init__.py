@@ -10,10 +10,10 @@ Python API (see README.md, "Python API")::
         for chunk in eng.stream("Another prompt", temperature=0.7, seed=1):
             print(chunk.text, end="")
 
-The verification rules are pure functions in :mod:`mars_local.verify`.
+The verification rules are pure functions in :mod:`mars_local.core.verify`.
 
 The engine's names are imported on first use (PEP 562), so ``import
-mars_local.verify`` (or sampling, adaptive, stats, drafters, learned, errors)
+mars_local.core.verify`` (or sampling, adaptive, stats, drafters, learned, errors)
 does not load llama.cpp: the engine and llama-cpp-python load when
 :class:`Engine` is first named, and llama.cpp's backend starts with the first
 model.
@@ -24,22 +24,22 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-# Pure modules (numpy only), imported now: ``mars_local.verify`` must be the
-# function, and importing the submodule later would bind the module instead.
-from .errors import MarsError
-from .sampling import SamplingParams
-from .verify import VerifyConfig, VerifyResult, verify
+# Pure modules (numpy only), imported now: ``mars_local.verify`` is the function
+# (the rules' module is ``mars_local.core.verify``).
+from .core.errors import MarsError
+from .core.sampling import SamplingParams
+from .core.verify import VerifyConfig, VerifyResult, verify
 
 __version__ = "0.1.0"
 
 # lazily exported name -> the submodule that defines it
 _LAZY = {
-    "Chunk": "generation",
-    "Engine": "engine",
-    "GenerateConfig": "generation",
-    "Generation": "generation",
-    "SpecStats": "stats",
-    "Stream": "generation",
+    "Chunk": "core.config",
+    "Engine": "speculate.engine",
+    "GenerateConfig": "core.config",
+    "Generation": "core.config",
+    "SpecStats": "core.stats",
+    "Stream": "core.config",
 }
 
 __all__ = [
@@ -58,9 +58,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from .engine import Engine
-    from .generation import Chunk, GenerateConfig, Generation, Stream
-    from .stats import SpecStats
+    from .speculate.engine import Engine
+    from .core.config import Chunk, GenerateConfig, Generation, Stream
+    from .core.stats import SpecStats
 
 
 def __getattr__(name: str):

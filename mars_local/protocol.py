@@ -1,6 +1,6 @@
 """What the command line and the chat and batch modules need of an engine.
 
-:class:`mars_local.engine.Engine` is the implementation; ``tests/fake_engine.py``
+:class:`mars_local.speculate.engine.Engine` is the implementation; ``tests/fake_engine.py``
 is a scripted one (as simonw/llm's ``MockModel``), so that the CLI's parsing,
 rendering and errors are tested without loading a GGUF.
 """
@@ -27,7 +27,7 @@ class StreamLike(Protocol):
 
 @runtime_checkable
 class EngineLike(Protocol):
-    """The Engine surface the CLI, :mod:`mars_local.chat` and :mod:`mars_local.batch` use."""
+    """The Engine surface the CLI, :mod:`mars_local.chat.session` and :mod:`mars_local.batch.jobs` use."""
 
     @property
     def n_ctx(self) -> int: ...

@@ -116,7 +116,7 @@ def truncated_gguf(tiny_dir, tiny_target) -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The bundled offline model (installed by `make install`)."""
-    from mars_local.registry import load_registry, model_path
+    from mars_local.models.registry import load_registry, model_path
 
     reg = load_registry()
     return model_path(reg.get("smollm2-135m"), "target")
@@ -127,7 +127,7 @@ def requantize(src: Path, name: str, ftype: str) -> Path:
     .cache/test-models (git-ignored) so reruns skip the work."""
     import llama_cpp
 
-    from mars_local import runtime  # importing it silences llama.cpp's log
+    from mars_local.llama import runtime  # importing it silences llama.cpp's log
 
     runtime.init_backend()
 

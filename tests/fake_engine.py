@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from mars_local import Chunk, Generation
-from mars_local.generation import TokenLogprob
-from mars_local.chat import check_messages
-from mars_local.chat_tokens import PromptTooLong, TokenizingCancelled
-from mars_local.errors import MarsError
-from mars_local.stats import SpecStats
+from mars_local.core.config import TokenLogprob
+from mars_local.chat.session import check_messages
+from mars_local.chat.tokens import PromptTooLong, TokenizingCancelled
+from mars_local.core.errors import MarsError
+from mars_local.core.stats import SpecStats
 
 
 class FakeStream:
@@ -174,7 +174,7 @@ class FakeEngine:
 def fake_engine(monkeypatch) -> FakeEngine:
     """The FakeEngine every `mars` command opens in this test (set its fields
     before invoking); ``opened`` holds the arguments the CLI built the engine with."""
-    import mars_local.engine
+    import mars_local.speculate.engine
 
     eng = FakeEngine()
     eng.opened = []
@@ -184,5 +184,5 @@ def fake_engine(monkeypatch) -> FakeEngine:
         eng.n_ctx_asked = kw.get("n_ctx", 4096)
         return eng
 
-    monkeypatch.setattr(mars_local.engine, "Engine", open_fake)
+    monkeypatch.setattr(mars_local.speculate.engine, "Engine", open_fake)
     return eng

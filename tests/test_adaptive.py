@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mars_local.adaptive import AdaptiveK, expected_tokens
+from mars_local.speculate.adaptive import AdaptiveK, expected_tokens
 
 
 @pytest.mark.parametrize(
@@ -179,7 +179,7 @@ def test_probes_of_a_cheap_drafter_stop_once_the_window_cost_is_known():
 
 
 def test_confidence_keys_are_ordered_buckets():
-    from mars_local.adaptive import confidence_key
+    from mars_local.speculate.adaptive import confidence_key
 
     keys = [confidence_key(p) for p in (0.05, 0.3, 0.5, 0.7, 0.85, 0.92, 0.97, 0.99, 0.999)]
     assert keys == [f"p{i}" for i in range(9)]

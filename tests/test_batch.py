@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mars_local.batch import done_ids
-from mars_local.cli import app
-from mars_local.stats import SpecStats
+from mars_local.batch.jobs import done_ids
+from mars_local.cli.main import app
+from mars_local.core.stats import SpecStats
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
 

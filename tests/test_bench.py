@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mars_local import bench as B
-from mars_local.cli import app
-from mars_local.errors import MarsError
+from mars_local.cli.main import app
+from mars_local.core.errors import MarsError
 
 runner = CliRunner()
 
@@ -516,7 +516,7 @@ def test_bad_bench_input_is_one_line_and_exit_2(bad_bench, case):
 
 
 def test_thetas_parse():
-    from mars_local.cli_bench import parse_thetas
+    from mars_local.cli.bench import parse_thetas
 
     assert parse_thetas("0.85, 0.9,0.95,0.9") == (0.85, 0.9, 0.95)
     assert parse_thetas("1") == (1.0,)
@@ -609,7 +609,7 @@ def test_cli_bench_without_the_bench_extra(no_bench_extra, tiny_target, tmp_path
 def test_the_cli_does_not_import_the_bench_extra():
     import subprocess
 
-    code = ("import sys, mars_local.cli, mars_local.bench; "
+    code = ("import sys, mars_local.cli.main, mars_local.bench; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'rouge_score', 'sacrebleu', 'matplotlib'}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_engine import fake_engine  # noqa: F401  (fixture)
 
-from mars_local.runtime import busy_note, read_busy_note
+from mars_local.llama.runtime import busy_note, read_busy_note
 
 
 @pytest.mark.parametrize("threads, cores, load, running, warn, suggest", [
@@ -39,11 +39,11 @@ def test_read_busy_note_parses_proc_loadavg(tmp_path):
 
 def test_the_cli_warns_once_when_the_cpu_is_busy(fake_engine, monkeypatch):
     """`mars run` asks with the engine's thread count and prints the note as one warning line."""
-    import mars_local.runtime
+    import mars_local.llama.runtime
     from test_cli_controls import FAKE, invoke
 
     asked = []
-    monkeypatch.setattr(mars_local.runtime, "read_busy_note",
+    monkeypatch.setattr(mars_local.llama.runtime, "read_busy_note",
                         lambda threads: asked.append(threads) or busy_note(threads, 2, 2.0, 3))
     fake_engine.n_threads = 2
     fake_engine.reply = "ok"

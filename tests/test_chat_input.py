@@ -1,4 +1,4 @@
-"""`mars chat` input: \"\"\" blocks and pasted lines are one message (mars_local.chat.read_message, pure).
+"""`mars chat` input: \"\"\" blocks and pasted lines are one message (mars_local.chat.session.read_message, pure).
 
 The CLI and a real terminal: tests/test_chat_template_option.py.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mars_local.chat import Message, read_message
+from mars_local.chat.session import Message, read_message
 
 
 class Keyboard:

@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mars_local import Engine, MarsError
-from mars_local.chat_builtin import BuiltinChatTemplate, builtin_names, check_chat_template
-from mars_local.chat_tokens import tokenize_chat
+from mars_local.chat.builtin import BuiltinChatTemplate, builtin_names, check_chat_template
+from mars_local.chat.tokens import tokenize_chat
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
 from tinymodels import CHATML, make_tiny_llama
@@ -61,7 +61,7 @@ def no_template(tmp_path_factory) -> Path:
 
 
 def invoke(*args, input=None):
-    from mars_local.cli import app
+    from mars_local.cli.main import app
 
     return CliRunner().invoke(app, [str(a) for a in args], input=input)
 
@@ -238,7 +238,7 @@ def test_gemma3_chats_with_the_builtin_gemma_template(gemma):
 
 def test_tokenize_chat_adds_bos_only_for_templates_that_leave_it(smollm2):
     """The BOS rule lives in tokenize_chat: a Jinja template is tokenized as rendered."""
-    from mars_local.chat_template import ChatTemplate
+    from mars_local.chat.template import ChatTemplate
 
     msgs = [{"role": "user", "content": "x"}]
 

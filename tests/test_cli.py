@@ -10,9 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from mars_local import GenerateConfig, MarsError
-from mars_local.cli import app
-from mars_local.registry import bench_drafters, choose_models
-from mars_local.stats import SpecStats
+from mars_local.cli.main import app
+from mars_local.models.registry import bench_drafters, choose_models
+from mars_local.core.stats import SpecStats
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
 
@@ -83,12 +83,12 @@ def test_a_registry_pair_brings_its_drafter_theta_and_k(fake_engine):
     assert invoke("run", "hi", "--json").exit_code == 0
     assert invoke("run", "hi", "--theta", "0.5", "--draft-max", "3", "--json").exit_code == 0
     assert invoke("run", "hi", "--no-draft", "--json").exit_code == 0
-    from mars_local.registry import load_registry
+    from mars_local.models.registry import load_registry
 
     pair = load_registry().get("smollm2-135m")
     assert [o["drafter"] for o in fake_engine.opened] == [pair.drafter, pair.drafter, "none"]
     (_, a), (_, b), _ = fake_engine.calls
-    from mars_local.generation import GenerateConfig
+    from mars_local.core.config import GenerateConfig
 
     theta = GenerateConfig.theta if pair.theta is None else pair.theta  # the pair overrides only what it names
     assert (a.theta, a.draft_max) == (theta, pair.draft_max) and (b.theta, b.draft_max) == (0.5, 3)
@@ -126,7 +126,7 @@ def test_choose_models_for_a_file(tmp_path):
 
 
 def test_choose_models_for_a_pair_and_the_bench_drafters(tmp_path):
-    from mars_local.registry import load_registry
+    from mars_local.models.registry import load_registry
 
     pair = load_registry().get("smollm2-135m")  # the default pair: n-gram drafter, no draft model
     for c in (choose_models(), choose_models("smollm2-135m"), choose_models(pair="smollm2-135m")):

@@ -14,9 +14,9 @@ import yaml
 from typer.testing import CliRunner
 
 from mars_local import Engine, GenerateConfig, MarsError
-from mars_local.chat import ChatSession, ContextDropped, Interrupted, Text, TurnDone
-from mars_local.cli import app
-from mars_local.hub import split_parts
+from mars_local.chat.session import ChatSession, ContextDropped, Interrupted, Text, TurnDone
+from mars_local.cli.main import app
+from mars_local.models.hub import split_parts
 
 from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
 

@@ -13,8 +13,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from mars_local.cli import app
-from mars_local.generation import GenerateConfig
+from mars_local.cli.main import app
+from mars_local.core.config import GenerateConfig
 
 from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
 
@@ -171,7 +171,7 @@ def test_grammar_file_and_inline_gbnf(fake_engine, tmp_path):
 
 
 def test_format_json_and_json_schema_become_gbnf(fake_engine, tmp_path):
-    from mars_local.grammar import grammar_from_json_schema, json_grammar
+    from mars_local.speculate.grammar import grammar_from_json_schema, json_grammar
 
     assert run_cfg(fake_engine, "--format", "json").grammar == json_grammar()
     schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
@@ -303,7 +303,7 @@ def test_chat_honours_the_controls_and_the_template(fake_engine, tmp_path):
 
 # ------------------------------------------------------------ mars batch
 def test_batch_flags_are_every_records_default_and_fields_override(fake_engine, tmp_path):
-    from mars_local.grammar import grammar_from_json_schema, json_grammar
+    from mars_local.speculate.grammar import grammar_from_json_schema, json_grammar
 
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     inp = tmp_path / "in.jsonl"

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from tinymodels import make_tiny_llama
 
-from mars_local.cli import app
+from mars_local.cli.main import app
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
 

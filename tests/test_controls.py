@@ -11,10 +11,10 @@ import pytest
 from scipy.stats import chisquare
 
 from mars_local import Engine, MarsError
-from mars_local.controls import Controls, apply_penalties
-from mars_local.generation import GenerateConfig
-from mars_local.grammar import GrammarState, grammar_from_json_schema, json_grammar
-from mars_local.sampling import SamplingParams, probabilities
+from mars_local.speculate.controls import Controls, apply_penalties
+from mars_local.core.config import GenerateConfig
+from mars_local.speculate.grammar import GrammarState, grammar_from_json_schema, json_grammar
+from mars_local.core.sampling import SamplingParams, probabilities
 from tinymodels import make_tiny_llama
 
 PROMPTS = ["hello world the", "the a the a the a", "hello hello world world", "w1 w2 w3 w1 w2"]
@@ -168,7 +168,7 @@ def test_grammar_output_matches_and_strict_equals_plain(plain, spec, ngram):
 def test_a_draft_token_the_grammar_forbids_is_rejected(ngram, monkeypatch):
     """The n-gram drafter proposes prompt words the grammar forbids: they reach the
     verifier as -inf logits and are never accepted, relaxed or not."""
-    from mars_local import engine as engine_mod
+    from mars_local.speculate import engine as engine_mod
 
     seen = []
     real = engine_mod.Engine._verify
@@ -240,7 +240,7 @@ def test_json_schema_output_with_sampling_and_speculation_always_parses(tiny_tar
 
 def test_schema_strings_exclude_control_characters():
     """JSON forbids raw control characters in strings; the converter's rule is tightened."""
-    from mars_local.grammar import _JSON_CHAR, _LAX_CHAR
+    from mars_local.speculate.grammar import _JSON_CHAR, _LAX_CHAR
 
     gbnf = grammar_from_json_schema(PERSON)
     assert _JSON_CHAR in gbnf and _LAX_CHAR not in gbnf
@@ -280,7 +280,7 @@ def test_logprobs_are_the_target_rows_log_softmax_without_extra_forwards(plain, 
 def test_masking_only_the_best_candidates_keeps_the_rows_the_loop_reads(smollm2, prefix):
     """mask(row, need) gives the same best `need` allowed tokens and logits as the full mask
     (greedy strict 1, greedy MARS 2, top-k sampling k), and keeps only allowed tokens."""
-    from mars_local.runtime import Model
+    from mars_local.llama.runtime import Model
 
     model = Model(smollm2)
     g = GrammarState(model, json_grammar())
@@ -309,7 +309,7 @@ def test_masking_only_the_best_candidates_keeps_the_rows_the_loop_reads(smollm2,
 
 
 def test_rows_read_by_the_loop():
-    from mars_local.controls import rows_read
+    from mars_local.speculate.controls import rows_read
 
     assert rows_read(GenerateConfig(verify="strict")) == 1 and rows_read(GenerateConfig()) == 2
     assert rows_read(GenerateConfig.make(temperature=1.0, top_k=40)) == 40
@@ -318,7 +318,7 @@ def test_rows_read_by_the_loop():
 
 
 def test_grammars_too_deep_for_llama_cpp_are_refused_before_it_parses_them(plain):
-    from mars_local.grammar import MAX_GRAMMAR_DEPTH, check_grammar_text
+    from mars_local.speculate.grammar import MAX_GRAMMAR_DEPTH, check_grammar_text
 
     deep = "root ::= " + "(" * 40_000 + '"a"' + ")" * 40_000  # llama.cpp's parser would crash on it
     with pytest.raises(MarsError, match="nested deeper"):

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mars_local.controls import StopScanner, apply_penalties
-from mars_local.errors import MarsError
-from mars_local.generation import GenerateConfig
+from mars_local.speculate.controls import StopScanner, apply_penalties
+from mars_local.core.errors import MarsError
+from mars_local.core.config import GenerateConfig
 
 
 def feed_all(stops, pieces):

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mars_local.drafters import NgramDrafter
-from mars_local.errors import MarsError
-from mars_local.tokens import common_prefix_len
+from mars_local.speculate.drafters import NgramDrafter
+from mars_local.core.errors import MarsError
+from mars_local.core.tokens import common_prefix_len
 
 
 @pytest.mark.parametrize(

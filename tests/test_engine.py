@@ -7,8 +7,8 @@ import pytest
 from scipy.stats import chisquare
 
 from mars_local import Engine, MarsError
-from mars_local.runtime import Context, Model
-from mars_local.sampling import SamplingParams, probabilities
+from mars_local.llama.runtime import Context, Model
+from mars_local.core.sampling import SamplingParams, probabilities
 
 PROMPTS = ["hello world", "the a the a the", "w1 w2 w3 w4 w5", "!", "hello the world a hello"]
 
@@ -47,7 +47,7 @@ def test_strict_sampling_equals_plain_sampling_for_the_same_seed(plain, spec, ng
 def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, ngram, monkeypatch):
     """The n-gram draft is proposed before the choice; the controller sees its
     match-length keys and the target verifies exactly the prefix it chose."""
-    from mars_local.adaptive import AdaptiveK
+    from mars_local.speculate.adaptive import AdaptiveK
 
     calls, observed = [], []
     real_observe = AdaptiveK.observe
@@ -272,7 +272,7 @@ def test_prompt_longer_than_the_context_is_refused(tiny_target):
 
 def test_recurrent_models_are_refused_for_drafting(tiny_target, tiny_draft, monkeypatch):
     """A cache that cannot be partially rolled back (Mamba, RWKV, hybrids) must not speculate."""
-    from mars_local import runtime
+    from mars_local.llama import runtime
 
     monkeypatch.setattr(runtime.C, "llama_model_is_recurrent", lambda model: True)
     with pytest.raises(MarsError, match="recurrent"):
@@ -287,7 +287,7 @@ def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(pla
     """With adaptive k a draft model drafts token by token, each token keyed by
     its confidence bucket; the controller's extend() decides when to stop and
     trim() how many to verify.  Output is still plain greedy output."""
-    from mars_local.adaptive import AdaptiveK
+    from mars_local.speculate.adaptive import AdaptiveK
 
     seen_keys, trims = [], []
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mars_local.errors import MarsError
-from mars_local.gguf_file import check_gguf_file
+from mars_local.core.errors import MarsError
+from mars_local.llama.gguf_file import check_gguf_file
 
 
 def test_a_whole_model_passes(tiny_target):

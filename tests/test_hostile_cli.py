@@ -18,8 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mars_local import Engine, MarsError
-from mars_local.cli import app
-from mars_local.grammar import (
+from mars_local.cli.main import app
+from mars_local.speculate.grammar import (
     MAX_GRAMMAR_BYTES, GrammarState, check_grammar_text, grammar_from_json_schema, json_grammar,
 )
 
@@ -127,7 +127,7 @@ def test_serve_refuses_to_start_with_an_invalid_grammar(tiny_target, env):
 
 # ------------------------------------------------------------ 2. grammars too costly
 def test_a_grammar_with_too_many_open_alternatives_is_refused():
-    from mars_local.grammar import MAX_GRAMMAR_ALTERNATIVES
+    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES
 
     over = "root ::= " + " | ".join(f'"{w}"' for w in many(MAX_GRAMMAR_ALTERNATIVES + 1))
     with pytest.raises(MarsError) as ei:
@@ -154,7 +154,7 @@ def test_a_grammar_with_too_many_open_alternatives_is_refused():
 
 def test_wildcard_led_alternatives_weigh_more():
     """A token is walked through the wildcards of every open alternative before it is refused."""
-    from mars_local.grammar import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
+    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
 
     plain = grammar_cost('root ::= "a" | "b"').alternatives
     dots = grammar_cost('root ::= . . . "a" | . . . "b"').alternatives
@@ -166,7 +166,7 @@ def test_wildcard_led_alternatives_weigh_more():
 
 def test_many_rules_in_sequence_are_not_complex():
     """What costs is alternatives open at once, not the grammar's size or its count of '|'."""
-    from mars_local.grammar import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
+    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
 
     n = 4 * MAX_GRAMMAR_ALTERNATIVES
     seq = "root ::= " + " ".join(f"r{i}" for i in range(n)) + "\n" + "\n".join(f'r{i} ::= "a" | "b"' for i in range(n))
@@ -187,7 +187,7 @@ def test_an_exponential_grammar_is_refused():
 
 def test_repetitions_that_expand_past_the_limit_are_refused():
     """x{m,n} is n copies of x: a short text can ask llama.cpp for billions of elements."""
-    from mars_local.grammar import MAX_GRAMMAR_ELEMENTS
+    from mars_local.speculate.grammar import MAX_GRAMMAR_ELEMENTS
 
     size = MAX_GRAMMAR_ELEMENTS // 1000 + 1
     with pytest.raises(MarsError, match="too large") as ei:
@@ -199,7 +199,7 @@ def test_repetitions_that_expand_past_the_limit_are_refused():
 
 
 def test_a_costly_grammar_is_refused_before_the_model_loads(tmp_path, env):
-    from mars_local.grammar import MAX_GRAMMAR_ALTERNATIVES
+    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES
 
     over = "root ::= " + " | ".join(f'"{w}"' for w in many(MAX_GRAMMAR_ALTERNATIVES + 1))
     g = tmp_path / "big.gbnf"
@@ -243,7 +243,7 @@ class Endless:
 
 
 def test_a_bounded_read_stops_after_the_limit(tmp_path):
-    from mars_local.textfile import read_bytes, read_stream
+    from mars_local.core.textfile import read_bytes, read_stream
 
     src = Endless(b"y")
     with pytest.raises(MarsError) as ei:
@@ -314,7 +314,7 @@ def feed_endless(cmd, limit: int, env):
 
 
 def test_an_endless_prompt_on_standard_input_is_refused_at_the_limit(tiny_target, env):
-    from mars_local.textfile import MAX_PROMPT_BYTES, format_size
+    from mars_local.core.textfile import MAX_PROMPT_BYTES, format_size
 
     p = feed_endless(["run", "-", "-m", tiny_target, "-t", 1, "-n", 2], MAX_PROMPT_BYTES, env)
     limit = format_size(MAX_PROMPT_BYTES)
@@ -322,7 +322,7 @@ def test_an_endless_prompt_on_standard_input_is_refused_at_the_limit(tiny_target
 
 
 def test_a_template_or_grammar_file_over_its_limit_is_refused(tmp_path, env):
-    from mars_local.textfile import MAX_TEMPLATE_BYTES, format_size
+    from mars_local.core.textfile import MAX_TEMPLATE_BYTES, format_size
 
     t = tmp_path / "big.jinja"
     t.write_text("{{ 'x' }}" + " " * MAX_TEMPLATE_BYTES)

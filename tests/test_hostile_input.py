@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mars_local import Engine, MarsError
-from mars_local.runtime import Model
+from mars_local.llama.runtime import Model
 from tinymodels import CHATML, make_tiny_llama
 
 HELLO = [{"role": "user", "content": "hello world"}]
@@ -154,7 +154,7 @@ def test_rendering_matches_llama_cpp_python(template):
     """The bounded sandbox renders real templates exactly as llama-cpp-python's formatter does."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from mars_local.chat_template import ChatTemplate
+    from mars_local.chat.template import ChatTemplate
 
     ref = Jinja2ChatFormatter(template, eos_token="</s>", bos_token="<s>")(messages=THINK_MESSAGES).prompt
     assert ChatTemplate(template, "x.gguf", eos_token="</s>", bos_token="<s>").render(THINK_MESSAGES) == ref
@@ -183,8 +183,8 @@ def test_special_tokens_in_message_content_are_plain_text(eng):
 
 
 def test_benign_chat_prompts_tokenize_as_before(eng):
-    from mars_local.chat_template import ChatTemplate
-    from mars_local.chat_tokens import tokenize_chat
+    from mars_local.chat.template import ChatTemplate
+    from mars_local.chat.tokens import tokenize_chat
 
     messages = [{"role": "system", "content": "You are kind."}, {"role": "user", "content": "hello the world!"},
                 {"role": "assistant", "content": " a hello "}, {"role": "user", "content": "w1 w2\n\nthe"}]
@@ -196,7 +196,7 @@ def test_benign_chat_prompts_tokenize_as_before(eng):
 
 @pytest.mark.slow
 def test_smollm2_benign_chat_is_unchanged_and_forgery_is_text(smollm2):
-    from mars_local.chat_tokens import tokenize_chat
+    from mars_local.chat.tokens import tokenize_chat
 
     with Engine(smollm2, n_ctx=512) as e:
         tmpl = e._chat_template()
@@ -313,7 +313,7 @@ def test_context_sizes_are_reported(tiny_target):
 
 
 def test_a_context_that_cannot_be_allocated_is_one_line(tiny_target, monkeypatch):
-    from mars_local import runtime
+    from mars_local.llama import runtime
 
     monkeypatch.setattr(runtime, "_available_memory", lambda: 1 << 30)  # never try a real allocation
     for n in (10_000_000, 2**40):

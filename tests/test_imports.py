@@ -12,32 +12,32 @@ import pytest
 # library only; chat_template imports jinja2 when a template is compiled).
 PURE = [
     "mars_local",
-    "mars_local.errors",
-    "mars_local.sampling",
-    "mars_local.verify",
-    "mars_local.adaptive",
-    "mars_local.stats",
-    "mars_local.choices",
-    "mars_local.generation",
-    "mars_local.controllers",
-    "mars_local.drafters",
-    "mars_local.tokens",
-    "mars_local.textfile",
+    "mars_local.core.errors",
+    "mars_local.core.sampling",
+    "mars_local.core.verify",
+    "mars_local.speculate.adaptive",
+    "mars_local.core.stats",
+    "mars_local.core.choices",
+    "mars_local.core.config",
+    "mars_local.speculate.controllers",
+    "mars_local.speculate.drafters",
+    "mars_local.core.tokens",
+    "mars_local.core.textfile",
     "mars_local.server",
-    "mars_local.rpc",
+    "mars_local.llama.rpc",
     "mars_local.server.requests",
     "mars_local.server.responses",
-    "mars_local.controls",
-    "mars_local.grammar",
-    "mars_local.learned",
-    "mars_local.native",
-    "mars_local.gguf_file",
-    "mars_local.chat_template",
-    "mars_local.chat_tokens",
-    "mars_local.hub",
-    "mars_local.chat",
-    "mars_local.batch",
-    "mars_local.registry",
+    "mars_local.speculate.controls",
+    "mars_local.speculate.grammar",
+    "mars_local.speculate.learned",
+    "mars_local.speculate.native",
+    "mars_local.llama.gguf_file",
+    "mars_local.chat.template",
+    "mars_local.chat.tokens",
+    "mars_local.models.hub",
+    "mars_local.chat.session",
+    "mars_local.batch.jobs",
+    "mars_local.models.registry",
     "mars_local.protocol",
 ]
 
@@ -58,9 +58,9 @@ def test_public_names_are_listed_and_pure_ones_resolve_without_llama_cpp():
         "assert set(m.__all__) <= set(dir(m)), set(m.__all__) - set(dir(m))\n"
         "for name in ('MarsError', 'SamplingParams', 'SpecStats', 'VerifyConfig', 'VerifyResult', 'GenerateConfig', 'Chunk', 'Generation', 'Stream'):\n"
         "    assert getattr(m, name).__name__ == name\n"
-        "assert m.verify.__module__ == 'mars_local.verify' and callable(m.verify)\n"
+        "assert m.verify.__module__ == 'mars_local.core.verify' and callable(m.verify)\n"
         "assert m.GenerateConfig().theta == m.VerifyConfig().theta  # one default\n"
-        "assert 'mars_local.engine' not in sys.modules and 'llama_cpp' not in sys.modules\n"
+        "assert 'mars_local.speculate.engine' not in sys.modules and 'llama_cpp' not in sys.modules\n"
         "try:\n"
         "    m.no_such_name\n"
         "except AttributeError as exc:\n"
@@ -77,9 +77,9 @@ def test_engine_names_load_on_first_use_and_the_backend_on_the_first_model(tiny_
     r = run(
         "import sys, mars_local as m\n"
         "from mars_local import *\n"  # every name in __all__ resolves
-        "assert Engine is m.Engine and Engine.__module__ == 'mars_local.engine'\n"
+        "assert Engine is m.Engine and Engine.__module__ == 'mars_local.speculate.engine'\n"
         "assert verify is m.verify and callable(verify)\n"  # the function, not the submodule
-        "from mars_local import runtime\n"
+        "from mars_local.llama import runtime\n"
         "assert not runtime._backend_started\n"
         f"runtime.Model({str(tiny_target)!r}, 0).close()\n"
         "assert runtime._backend_started\n"

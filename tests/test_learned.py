@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mars_local.adaptive import AdaptiveK
-from mars_local.learned import LearnedStore, file_fingerprint
+from mars_local.speculate.adaptive import AdaptiveK
+from mars_local.speculate.learned import LearnedStore, file_fingerprint
 
 
 def test_store_round_trip_and_atomic_file(tmp_path):
@@ -74,7 +74,7 @@ def test_import_ignores_malformed_state():
 
 
 def test_store_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
-    import mars_local.learned as L
+    import mars_local.speculate.learned as L
 
     monkeypatch.setattr(L, "MAX_ENTRIES", 3)
     st = LearnedStore(tmp_path / "learned.json")
@@ -86,7 +86,7 @@ def test_store_keeps_the_most_recently_used_entries(tmp_path, monkeypatch):
 
 
 def test_clear_that_cannot_delete_is_one_error_and_keeps_the_entries(tmp_path):
-    from mars_local.errors import MarsError
+    from mars_local.core.errors import MarsError
 
     p = tmp_path / "learned.json"
     p.mkdir()  # a folder where the file should be: unlink fails

@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mars_local import native
-from mars_local.engine import Engine
-from mars_local.errors import MarsError
-from mars_local.sampling import SamplingParams, probabilities, top_k_ids
-from mars_local.verify import VerifyConfig, verify
+from mars_local.speculate import native
+from mars_local.speculate.engine import Engine
+from mars_local.core.errors import MarsError
+from mars_local.core.sampling import SamplingParams, probabilities, top_k_ids
+from mars_local.core.verify import VerifyConfig, verify
 
 PROPERTY = settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from mars_local.errors import MarsError
-from mars_local.rpc import parse_endpoints, parse_tensor_split, probe
+from mars_local.core.errors import MarsError
+from mars_local.llama.rpc import parse_endpoints, parse_tensor_split, probe
 
 ROOT = Path(__file__).resolve().parent.parent
 RPC_BIN = Path(os.environ.get("MARS_RPC_SERVER", ROOT / ".cache" / "rpc-server" / "current" / "ggml-rpc-server"))

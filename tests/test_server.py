@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fake_engine import FakeEngine
-from mars_local.generation import GenerateConfig
+from mars_local.core.config import GenerateConfig
 from mars_local.server.app import MAX_BODY, ServerSettings, create_app
 
 KEY = "sekrit"

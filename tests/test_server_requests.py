@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from mars_local.generation import GenerateConfig, TokenLogprob
+from mars_local.core.config import GenerateConfig, TokenLogprob
 from mars_local.server.requests import ApiError, parse_chat, parse_completion
 from mars_local.server.responses import ResponseMaker, cached_tokens, finish_reason, usage
-from mars_local.stats import SpecStats
+from mars_local.core.stats import SpecStats
 
 D = GenerateConfig.make(max_tokens=-1, draft_max=8, temperature=0.0)
 MSG = [{"role": "user", "content": "hi"}]

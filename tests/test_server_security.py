@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
-from mars_local.chat_tokens import PromptTooLong, TokenizingCancelled, tokenize_chat, tokenize_text
-from mars_local.cli import app as cli_app
-from mars_local.errors import MarsError
-from mars_local.generation import GenerateConfig
+from mars_local.chat.tokens import PromptTooLong, TokenizingCancelled, tokenize_chat, tokenize_text
+from mars_local.cli.main import app as cli_app
+from mars_local.core.errors import MarsError
+from mars_local.core.config import GenerateConfig
 from mars_local.server import check_allowed_host, check_origin
 from mars_local.server.app import ServerSettings, create_app
 from mars_local.server.requests import parse_chat
@@ -273,7 +273,7 @@ def test_a_client_that_leaves_while_its_prompt_is_tokenized_cancels_it():
 # ---------------------------------------------------- the same token ids as before
 def random_texts(model, n: int, seed: int = 0, special: bool = True) -> list[str]:
     """Texts of special and user-defined token texts, whitespace and words."""
-    from mars_local.chat_tokens import _Vocab
+    from mars_local.chat.tokens import _Vocab
 
     v = _Vocab.of(model)
     atoms = [t for t, *_ in v.specials] * special + [t for t, *_ in v.user] + [

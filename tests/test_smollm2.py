@@ -103,7 +103,7 @@ def test_verify_windows_are_batch_invariant(which, request):
     window of w rows (up to 17, across llama.cpp's 8-row switch to its tiled
     K-quant kernel) is bit-identical to the same row computed alone.  Q4_K_M
     mixes Q5_0/Q8_0 (llamafile's tinyBLAS) with Q4_K/Q6_K (vec_dot/tiled)."""
-    from mars_local.batch_invariance import batch_invariance
+    from mars_local.llama.invariance import batch_invariance
 
     res = batch_invariance(request.getfixturevalue(which), windows=(2, 4, 8, 9, 17), n=34, n_threads=2)
     assert {w: d for w, (d, _) in res.items()} == {w: 0 for w in res}, res
@@ -124,7 +124,7 @@ def test_windows_at_a_long_context_are_batch_invariant(smollm2):
     """Past 512 cached positions llama.cpp's CPU flash attention splits a
     single query row's keys across threads (another summation order than a
     window's rows); patches/0003 turns that off."""
-    from mars_local.batch_invariance import batch_invariance
+    from mars_local.llama.invariance import batch_invariance
 
     prompt = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(80))
     res = batch_invariance(smollm2, windows=(2, 9), n=18, n_threads=2, prompt=prompt)

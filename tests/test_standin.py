@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mars_local.runtime import Context, Model
+from mars_local.llama.runtime import Context, Model
 
 pytestmark = pytest.mark.slow
 

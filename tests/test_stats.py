@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mars_local.stats import SpecStats
+from mars_local.core.stats import SpecStats
 
 
 def test_tau_counts_the_token_every_round_commits_even_when_it_is_not_shown():

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from mars_local.errors import MarsError
-from mars_local.sampling import SamplingParams, position_uniforms, probabilities, sample_from
-from mars_local.verify import VerifyConfig, top2, undecided_mask, verify
+from mars_local.core.errors import MarsError
+from mars_local.core.sampling import SamplingParams, position_uniforms, probabilities, sample_from
+from mars_local.core.verify import VerifyConfig, top2, undecided_mask, verify
 
 V = 8
 EOS = 7
@@ -249,7 +249,7 @@ def test_mars_sampling_decided_positions_follow_strict_distribution():
 # a drafter that disagrees with it, driven by the loop the engine runs: the
 # uniforms of every window come from SamplingParams.seed -> base_seed() ->
 # position_uniforms(seed, absolute position, ...), and sampled drafts draw from
-# stream 1, as mars_local.drafters does.
+# stream 1, as mars_local.speculate.drafters does.
 BIGRAM = np.random.default_rng(11).standard_normal((V, V)).astype(np.float32) * 2
 DRAFT_BIGRAM = (BIGRAM + np.random.default_rng(12).standard_normal((V, V)) * 1.5).astype(np.float32)
 

@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 from scipy.stats import chi2
 
-from mars_local.sampling import SamplingParams, probabilities, sample_from
-from mars_local.verify import VerifyConfig, VerifyResult, verify
+from mars_local.core.sampling import SamplingParams, probabilities, sample_from
+from mars_local.core.verify import VerifyConfig, VerifyResult, verify
 
 V = 5
 START = 0  # the prompt's last token

@@ -74,7 +74,7 @@ from .config import (
     Sample,
     plan_runs,
 )
-from ..tokens import common_prefix_len
+from ..core.tokens import common_prefix_len
 from .metrics import (
     METRICS,
     unavailable_metrics,

@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MarsError
-from ..generation import GenerateConfig
-from ..sampling import SamplingParams
+from ..core.errors import MarsError
+from ..core.config import GenerateConfig
+from ..core.sampling import SamplingParams
 from .prompts import BenchPrompt
 
 DEFAULT_THETAS = (0.85, 0.9, 0.95)
@@ -114,7 +114,7 @@ class BenchSettings:
         return tuple(dict.fromkeys(self.fixed_ks)) if self.fixed_ks is not None else (self.draft_max,)
 
     def sampling(self):
-        from ..sampling import SamplingParams
+        from ..core.sampling import SamplingParams
 
         # Greedy runs pass no seed: the engine fixes k for seeded MARS runs.
         return SamplingParams(

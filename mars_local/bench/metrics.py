@@ -13,7 +13,7 @@ import math
 import re
 from functools import lru_cache
 
-from ..errors import MarsError
+from ..core.errors import MarsError
 
 METRICS = ("exact", "exact_contains", "rougeL", "chrf")
 BENCH_EXTRA_HINT = "install mars-local[bench] for ROUGE-L/chrF"

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import MarsError
+from ..core.errors import MarsError
 from .config import PEER_LCP, PEER_SPEC, BenchSettings, Sample
 
 LLAMA_CPP_BINARIES = ("llama-speculative-simple", "llama-completion")
@@ -40,7 +40,7 @@ class LlamaCppPythonPeer:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        from ..runtime import default_threads, gpu_offload_supported
+        from ..llama.runtime import default_threads, gpu_offload_supported
 
         if n_gpu_layers is None:
             n_gpu_layers = -1 if gpu_offload_supported() else 0

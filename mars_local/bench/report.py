@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import MarsError
+from ..core.errors import MarsError
 from .config import PEER_SPEC, BenchResult, RunConfig, Sample
-from ..tokens import common_prefix_len
+from ..core.tokens import common_prefix_len
 from .prompts import BenchPrompt
 
 PLOT_HINT = "install mars-local[bench] for --plot"

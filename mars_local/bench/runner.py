@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ..errors import MarsError
+from ..core.errors import MarsError
 from .config import PEER_COMPLETION, PEER_LCP, PEER_SPEC, BenchResult, BenchSettings, RunConfig, Sample, plan_runs
 from .metrics import task_score, unavailable_metrics, unscored_note
 from .peers import LlamaCppBinaryPeer, LlamaCppPythonPeer, find_llama_cpp_binaries
@@ -53,7 +53,7 @@ def run_bench(
 
     ``progress(done, total, label)`` is called after each generation.
     """
-    from ..engine import Engine, GenerateConfig
+    from ..speculate.engine import Engine, GenerateConfig
 
     s = settings
     s.validate()
@@ -97,7 +97,7 @@ def run_bench(
         sampling = s.sampling()
         grammars = {None: None}
         if any(r.grammar == "json" for r in runs):
-            from ..grammar import json_grammar
+            from ..speculate.grammar import json_grammar
 
             grammars["json"] = json_grammar()
 

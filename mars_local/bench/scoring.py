@@ -10,7 +10,7 @@ import numpy as np
 
 class TargetScorer:
     """Negative log-likelihood of generated tokens under the target at T = 1
-    (:meth:`~mars_local.engine.Engine.score_nll`).
+    (:meth:`~mars_local.speculate.engine.Engine.score_nll`).
 
     Scores with ``engine`` (the bench's plain engine: its cache then usually
     holds the prompt already) or with an engine of its own on the GGUF
@@ -24,7 +24,7 @@ class TargetScorer:
             raise ValueError("give an engine or a target GGUF")
         self._own = engine is None
         if engine is None:
-            from ..engine import Engine
+            from ..speculate.engine import Engine
 
             engine = Engine(target, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, learned=False)
         self.engine = engine

@@ -16,7 +16,7 @@ import ipaddress
 import socket
 from collections.abc import Callable
 
-from ..errors import MarsError
+from ..core.errors import MarsError
 
 __all__ = ["bind", "is_loopback", "host_name", "check_origin", "check_allowed_host", "run_server", "check_installed"]
 

@@ -32,7 +32,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..generation import GenerateConfig
+from ..core.config import GenerateConfig
 from . import host_name, is_loopback
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .requests import ApiError, Request, parse_chat, parse_completion

@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from ..errors import MarsError
-from ..generation import GenerateConfig
+from ..core.errors import MarsError
+from ..core.config import GenerateConfig
 
 __all__ = ["ApiError", "Request", "parse_chat", "parse_completion", "SPECULATIVE_KEYS"]
 
@@ -183,7 +183,7 @@ def _response_format(body: dict) -> str | None:
     rf = _field(body, "response_format", (dict,))
     grammar = _field(body, "grammar", (str,))
     if grammar is not None:
-        from ..grammar import check_grammar_text
+        from ..speculate.grammar import check_grammar_text
 
         try:  # cheap (linear), before the request waits in the queue: no grammar holds the engine
             check_grammar_text(grammar)
@@ -193,7 +193,7 @@ def _response_format(body: dict) -> str | None:
         return grammar
     if grammar is not None:
         raise ApiError(400, "'grammar' and 'response_format' cannot be combined", param="grammar")
-    from ..grammar import grammar_from_json_schema, json_grammar
+    from ..speculate.grammar import grammar_from_json_schema, json_grammar
 
     kind = rf.get("type")
     if kind == "json_object":

@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from ..generation import TokenLogprob
-from ..stats import SpecStats
+from ..core.config import TokenLogprob
+from ..core.stats import SpecStats
 
 __all__ = ["finish_reason", "usage", "chat_logprobs", "completion_logprobs", "ResponseMaker"]
 

@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from ..chat_tokens import PromptTooLong, TokenizingCancelled
-from ..errors import MarsError
+from ..chat.tokens import PromptTooLong, TokenizingCancelled
+from ..core.errors import MarsError
 from .requests import ApiError, Request
 
 __all__ = ["Job", "Worker"]
@@ -136,7 +136,7 @@ class Worker:
     def _prompt(self, job: Job) -> list[int]:
         """The request's prompt tokens.  Tokenizing stops as soon as the prompt is known
         not to fit (a text too long for the context is refused before it is tokenized at
-        all) or the client has gone (see :func:`mars_local.chat_tokens.tokenize_text`)."""
+        all) or the client has gone (see :func:`mars_local.chat.tokens.tokenize_text`)."""
         req, eng = job.request, self.engine
         bounds = {"max_tokens": eng.n_ctx - 1, "cancelled": lambda: job.cancelled}
         n, exact = None, True

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ...errors import MarsError
+from ...core.errors import MarsError
 from ..metrics import METRICS
 
 DEFAULT_PROMPTS_DIR = resources.files(__name__)

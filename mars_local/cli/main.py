@@ -1,0 +1,269 @@
+"""The `mars` command line: a thin layer over :mod:`mars_local`'s Python API."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Optional
+
+import typer
+from typer import echo
+from typer.core import TyperGroup
+
+try:  # typer >= 0.25 vendors its own click
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover - older typer on top of click
+    from click import exceptions as cx
+
+from . import batch as cli_batch, bench as cli_bench, chat as cli_chat, models as cli_models, serve as cli_serve
+from . import flags as opt
+from .inputs import read_text_file
+from ..core.errors import MarsError
+from ..core.textfile import MAX_PROMPT_BYTES, decode_text, read_stream
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe (`mars run ... | head`): point stdout at /dev/null so the
+    interpreter's final flush of what is still buffered cannot fail (the recipe in
+    Python's signal module documentation)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (tests)
+        pass
+
+
+class MarsGroup(TyperGroup):
+    """Every user error ends as one line on stderr and exit code 2, never a traceback.
+
+    A reader that stops reading (`| head`) ends the command quietly with exit 0.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # before click turns it into exit 1
+            _quiet_stdout()
+            return 0
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        code = 0
+        opt.ARGV[:] = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except cx.NoArgsIsHelpError as exc:
+            echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        except MarsError as exc:
+            echo(f"error: {_one_line(exc)}", err=True)
+            code = 2
+        except cx.UsageError as exc:
+            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+            echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
+            code = 2
+        except cx.ClickException as exc:
+            echo(f"error: {_one_line(exc.format_message())}", err=True)
+            code = exc.exit_code or 1
+        except typer.Abort:
+            echo("aborted", err=True)
+            code = 130
+        except BrokenPipeError:
+            _quiet_stdout()
+            code = 0
+        except MemoryError:  # a limit (ulimit -v) reached: one line, not a traceback
+            echo("error: out of memory (the input or the model is too large for the memory this process may use)",
+                 err=True)
+            code = 2
+        except OSError as exc:
+            where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+            echo(f"error: {exc.strerror or exc}{where}", err=True)
+            code = 1
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(
+    name="mars",
+    cls=MarsGroup,
+    help="Local GGUF inference with speculative decoding verified by MARS.",
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        echo(f"mars-local {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    """Local GGUF inference with speculative decoding verified by MARS."""
+
+
+# ------------------------------------------------------------------ run
+def read_prompt(prompt: Optional[str], what: str = "PROMPT") -> str:
+    """PROMPT, or standard input when PROMPT is '-' or absent and stdin is not a tty.
+
+    Bytes that are not UTF-8 (on stdin, or in PROMPT as Python's lone surrogates)
+    are replaced with U+FFFD, with one warning line.
+    """
+    if prompt is None or prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise MarsError("no prompt given (pass PROMPT, -p TEXT, -f FILE, or '-' with text on standard input)")
+        raw = read_stream(getattr(sys.stdin, "buffer", None) or sys.stdin, MAX_PROMPT_BYTES, "standard input",
+                          "a prompt")
+        if b"\x00" in raw:
+            decode_text(raw, "standard input")  # binary: refused, naming the line
+        prompt = opt.decode_utf8(raw, "standard input")
+    else:
+        prompt = opt.valid_utf8(prompt, what)
+    if not prompt.strip():
+        raise MarsError("the prompt is empty")
+    return prompt
+
+
+PROMPT_OPTION = typer.Option(None, "-p", "--prompt", metavar="TEXT", help="The prompt (as llama.cpp's -p).")
+FILE_OPTION = typer.Option(None, "-f", "--file", metavar="FILE", help="Read the prompt from a UTF-8 text file.")
+LOGPROBS_OPTION = typer.Option(
+    0, "--logprobs", metavar="N",
+    help="With --json: each generated token's log probability and the target's top N (0..20) alternatives.",
+)
+
+
+def check_prompt_sources(positional: Optional[str], prompt_opt: Optional[str], file: Optional[str]) -> None:
+    """At most one of PROMPT, -p/--prompt and -f/--file."""
+    given = [n for n, v in (("PROMPT", positional), (opt.typed_flag(PROMPT_OPTION.param_decls), prompt_opt),
+                            (opt.typed_flag(FILE_OPTION.param_decls), file)) if v is not None]
+    if len(given) > 1:
+        raise MarsError(f"give the prompt once: {' and '.join(given)} were both given")
+
+
+def prompt_source(positional: Optional[str], prompt_opt: Optional[str], file: Optional[str]) -> str:
+    """The prompt text from exactly one of PROMPT, -p/--prompt and -f/--file (or standard input)."""
+    check_prompt_sources(positional, prompt_opt, file)
+    if file is not None:
+        if file == "-":
+            return read_prompt(None)
+        text = read_text_file(file, "prompt")
+        if not text.strip():
+            raise MarsError(f"the prompt file {file} is empty")
+        return text
+    if prompt_opt is not None:
+        return read_prompt(prompt_opt, opt.typed_flag(PROMPT_OPTION.param_decls)) if prompt_opt != "-" else \
+            read_prompt(None)
+    return read_prompt(positional)
+
+
+def check_logprobs(n: int, as_json: bool) -> None:
+    if not 0 <= n <= 20:
+        raise MarsError(f"--logprobs must be in 0..20, got {n}")
+    if n and not as_json:
+        raise MarsError("--logprobs needs --json (the log probabilities are written into the JSON object)")
+
+
+@opt.generation_options
+def run(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt; '-' or omitted reads standard input."),
+    prompt_opt: Optional[str] = PROMPT_OPTION,
+    file: Optional[str] = FILE_OPTION,
+    n_predict: int = opt.N_PREDICT,
+    chat: bool = typer.Option(False, "--chat", help="Wrap PROMPT in the model's chat template as a user turn."),
+    system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt (implies --chat)."),
+    show_acceptance: bool = typer.Option(
+        False, "--show-acceptance", "--color-draft",
+        help="Colour each token: green = accepted draft, yellow = accepted only by MARS, plain = target.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object {text, tokens, stats} and nothing else."),
+    logprobs: int = LOGPROBS_OPTION,
+    stats: bool = typer.Option(False, "--stats", "-v", help="Print a timing and acceptance summary to stderr."),
+    gen: opt.GenOptions = None,
+) -> None:
+    """Generate a completion for PROMPT (streamed as it is verified).
+
+    Ctrl-C ends the line, prints the partial statistics with --stats and exits 130;
+    a closed pipe (`| head`) ends quietly with exit 0.
+    """
+    opt.check_n_predict(n_predict)
+    check_logprobs(logprobs, as_json)
+    check_prompt_sources(prompt, prompt_opt, file)
+    choice = gen.choice()  # flags are checked before standard input is read or a model loads
+    cfg = gen.config(choice, n_predict, **({"logprobs": logprobs} if logprobs else {}))
+    text = prompt_source(prompt, prompt_opt, file)
+    if system is not None:
+        system = opt.valid_utf8(system, "--system")
+    eng = gen.engine(choice)
+    try:
+        if chat or system is not None:
+            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+            prompt_in = eng.chat_prompt(messages)
+        else:
+            prompt_in = text
+        text_parts, tokens, lps = [], [], []
+        show = None if as_json else opt.chunk_printer(show_acceptance, eng)
+        stream = eng.stream(prompt_in, cfg)
+        try:
+            try:
+                for chunk in stream:
+                    text_parts.append(chunk.text)
+                    tokens.extend(chunk.tokens)
+                    lps.extend(chunk.logprobs or ())
+                    if show is not None:
+                        show(chunk)
+            finally:  # any way out (Ctrl-C, a closed pipe): the statistics are final
+                stream.close()
+        except KeyboardInterrupt:
+            if not as_json:
+                sys.stdout.write("\n")  # the cursor back at the start of a line
+                sys.stdout.flush()
+            s = stream.stats
+            if s is not None and not s.stop_reason:
+                s.stop_reason = "interrupted"
+            if stats and s is not None:
+                echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
+            raise typer.Exit(130) from None
+        s = stream.stats
+        if as_json:
+            obj = {"text": "".join(text_parts), "tokens": tokens, "stats": s.to_dict()}
+            if logprobs:
+                obj["logprobs"] = [lp.to_dict(lambda t: eng.piece(t).decode("utf-8", "replace")) for lp in lps]
+            echo(json.dumps(obj, ensure_ascii=False))
+        else:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        if s.stop_reason == "context":
+            echo(opt.context_full_note(eng), err=True)
+        if stats:
+            echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
+    finally:
+        eng.close()
+
+
+# ------------------------------------------------------------ commands
+app.command()(run)
+app.command()(cli_chat.chat)
+app.command(epilog=cli_batch.EPILOG)(cli_batch.batch)
+app.command()(cli_models.models)
+app.command()(cli_models.pull)
+app.command()(cli_models.doctor)
+app.command()(cli_bench.bench)
+app.command()(cli_serve.serve)
+
+
+def main() -> None:
+    """Console entry point (`mars`)."""
+    app()

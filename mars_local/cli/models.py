@@ -1,0 +1,246 @@
+"""`mars models`, `mars pull` and `mars doctor` (registered by :mod:`mars_local.cli.main`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from typer import echo
+
+from ..core.errors import MarsError
+
+
+def _size(n: Optional[int]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)  # pragma: no cover
+
+
+def registry_rows() -> tuple[object, list[dict]]:
+    from ..core.config import GenerateConfig
+    from ..models.hub import describe
+    from ..models.registry import load_registry
+
+    reg = load_registry()
+    rows = []
+    for name, pair in reg.pairs.items():
+        settings = GenerateConfig(**pair.overrides)
+        rows.append(
+            {
+                "name": name,
+                "default": name == reg.default,
+                "description": pair.description,
+                "target": describe(pair.target),
+                "draft": describe(pair.draft) if pair.draft else None,
+                "drafter": pair.drafter,
+                "theta": settings.theta,
+                "draft_max": settings.draft_max,
+            }
+        )
+    return reg, rows
+
+
+def models(as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON.")) -> None:
+    """The model registry (models.yaml plus your own), with what is on this machine."""
+    reg, rows = registry_rows()
+    if as_json:
+        echo(json.dumps({"sources": reg.sources, "default": reg.default, "models": rows}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, header_style="bold")
+    for col in ("NAME", "TARGET", "DRAFT", "DRAFTER", "θ", "K", "LOCAL", "SIZE"):
+        table.add_column(col, no_wrap=col in ("NAME", "LOCAL", "SIZE"))
+    for r in rows:
+        parts = [r["target"]] + ([r["draft"]] if r["draft"] else [])
+        present = all(p["present"] for p in parts)
+        size = sum(p["size"] or 0 for p in parts) if present else None
+        table.add_row(
+            r["name"] + (" (default)" if r["default"] else ""),
+            r["target"]["file"],
+            r["draft"]["file"] if r["draft"] else "-",
+            r["drafter"],
+            f"{r['theta']:g}",
+            str(r["draft_max"]),
+            "yes" if present else "no",
+            _size(size),
+        )
+    Console().print(table)
+    echo(f"registry: {', '.join(reg.sources)}; `mars pull NAME` downloads a pair, --json shows the sources")
+
+
+def pull(
+    name: str = typer.Argument(..., help="A registry name (see `mars models`) or hf:OWNER/REPO/FILE.gguf."),
+    force: bool = typer.Option(False, "--force", help="Download again even if cached."),
+) -> None:
+    """Download a pair's target and draft into the Hugging Face cache (resumable)."""
+    from ..models.hub import download_file, pull_pair
+    from ..models.registry import load_registry, parse_hf
+
+    hf = parse_hf(name)
+    if hf is not None:
+        paths = [download_file(*hf, force=force)]
+    else:
+        paths = pull_pair(load_registry().get(name), force=force)
+    for p in paths:
+        echo(str(p))
+
+
+def doctor_report() -> dict:
+    from .. import __version__
+    from ..llama.runtime import backend_info
+
+    info = backend_info()
+    try:
+        from ..speculate import native
+
+        native_ok = bool(native.available())
+    except ImportError:
+        native_ok = False
+    # a broken registry is one failed check; the others still run
+    try:
+        reg, rows = registry_rows()
+        registry = {"sources": reg.sources, "problem": None}
+    except MarsError as exc:
+        rows, registry = [], {"sources": None, "problem": " ".join(str(exc).split())}
+    from ..speculate.learned import default_store
+
+    store = default_store()
+    entries = store.entries()
+    return {
+        "mars_local": __version__,
+        "llama_cpp_python": info["llama_cpp_python"],
+        "backend": info["backend"],
+        "gpu_offload": info["gpu_offload"],
+        "native_hot_path": native_ok,
+        "verify_backend": "native" if native_ok else "numpy",
+        "system_info": info["system_info"],
+        "registry": registry,
+        "models": {
+            r["name"]: all(p["present"] for p in [r["target"]] + ([r["draft"]] if r["draft"] else [])) for r in rows
+        },
+        "learned": {
+            "path": str(store.path),
+            "problem": store.problem,
+            "entries": {k: _learned_summary(v) for k, v in entries.items()},
+        },
+    }
+
+
+def _learned_summary(v: dict) -> str:
+    """One line about one learned-state entry."""
+    if "time" in v:
+        sizes = sorted(int(w) for w in v["time"])
+        t1 = v["time"].get("1")
+        one = f", 1 row {1e3 * t1[0] / t1[1]:.1f} ms" if t1 and t1[1] else ""
+        return f"verify-window costs for {len(sizes)} window sizes{one}"
+    if "draft" in v:
+        t, n = v["draft"]
+        return f"draft cost {1e3 * t / n:.1f} ms/token" if n else "draft cost (none yet)"
+    if "counts" in v:
+        pool = next((c for c in v["counts"] if c[0] == "__pooled__"), None)
+        acc = f", pooled acceptance {pool[1] / (pool[1] + pool[2]):.0%}" if pool and pool[1] + pool[2] else ""
+        return f"acceptance for {len(v['counts'])} keys{acc}"
+    return "unknown entry"
+
+
+def rpc_report(value: str) -> list[dict]:
+    """Each RPC server's protocol and devices (free/total memory), or its ``error`` (one line: host,
+    port, reason) when it cannot be reached within a bounded connect timeout."""
+    from ..llama.rpc import parse_endpoints, protocol, register
+
+    out = []
+    for ep in parse_endpoints(value):
+        try:
+            devs = register((ep,))  # the handshake first, then llama.cpp's registration
+        except MarsError as exc:
+            out.append({"endpoint": ep, "error": str(exc)})
+            continue
+        out.append({"endpoint": ep, "protocol": ".".join(map(str, protocol(ep))), "devices": [
+            {"name": d.name, "description": d.description, "free": d.free, "total": d.total} for d in devs]})
+    return out
+
+
+def _rpc_failures(servers) -> None:
+    """One line per unreachable RPC server on stderr, then exit 2."""
+    bad = [s["error"] for s in servers or () if "error" in s]
+    if bad:
+        for line in bad:
+            echo(f"error: {line}", err=True)
+        raise typer.Exit(2)
+
+
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    reset_learned: bool = typer.Option(
+        False, "--reset-learned", help="Forget what the adaptive draft length learned (window costs, acceptance)."
+    ),
+    rpc: Optional[str] = typer.Option(
+        None, "--rpc", help="Check llama.cpp RPC servers HOST:PORT[,...]: reachable, protocol, free/total memory."
+    ),
+) -> None:
+    """What this installation can do: llama.cpp build, backend, GPU offload, hot path, models, learned state.
+
+    Exits 1 when a check failed (an unreadable models.yaml), after reporting all of them; 2 when an
+    RPC server given with --rpc cannot be reached (one line: host, port, reason).
+    """
+    if reset_learned:
+        from ..speculate.learned import default_store
+
+        store = default_store()
+        n = store.clear()
+        echo(f"forgot {n} learned-state entr{'y' if n == 1 else 'ies'} ({store.path})")
+        return
+    rep = doctor_report()
+    servers = rpc_report(rpc) if rpc is not None else None
+    if servers is not None:
+        rep["rpc"] = servers
+    failed = rep["registry"]["problem"] is not None
+    if as_json:
+        echo(json.dumps(rep, indent=2))
+        _rpc_failures(servers)
+        if failed:
+            raise typer.Exit(1)
+        return
+    avail = [n for n, ok in rep["models"].items() if ok]
+    reg = rep["registry"]
+    if failed:
+        reg_line, models_line = f"FAILED: {reg['problem']}", "unknown (the registry could not be read)"
+    else:
+        reg_line = "ok (" + ", ".join(reg["sources"]) + ")"
+        models_line = ", ".join(avail) if avail else "none (mars pull NAME)"
+    lines = [
+        f"mars-local:           {rep['mars_local']}",
+        f"llama-cpp-python:     {rep['llama_cpp_python']}",
+        f"backend:              {rep['backend']}",
+        f"GPU offload:          {'yes' if rep['gpu_offload'] else 'no (CPU build; rebuild with CMAKE_ARGS=-DGGML_CUDA=on or -DGGML_METAL=on)'}",
+        f"native hot path:      {'yes' if rep['native_hot_path'] else 'no (verification runs in numpy)'}",
+        f"model registry:       {reg_line}",
+        f"models on this disk:  {models_line}",
+        f"system:               {rep['system_info']}",
+        f"learned state:        {len(rep['learned']['entries'])} entr{'y' if len(rep['learned']['entries']) == 1 else 'ies'}"
+        f" in {rep['learned']['path']}" + (f" ({rep['learned']['problem']})" if rep["learned"]["problem"] else "")
+        + " (mars doctor --reset-learned forgets it)",
+    ]
+    for k, v in rep["learned"]["entries"].items():
+        kind, *parts = k.split("|")
+        where = " · ".join(p.split("@")[0] for p in parts if len(p) != 12 or "@" in p)  # names, not hashes
+        lines.append(f"  {kind:<7} {where}: {v}")
+    for srv in servers or ():
+        if "error" in srv:
+            lines.append(f"RPC server {srv['endpoint']}: FAILED (see below)")
+            continue
+        lines.append(f"RPC server {srv['endpoint']}: ok (protocol {srv['protocol']})")
+        for d in srv["devices"]:
+            lines.append(f"  {d['name']} {d['description']}: {d['free'] >> 20} MiB free of {d['total'] >> 20} MiB")
+    echo("\n".join(lines))
+    _rpc_failures(servers)
+    if failed:
+        echo("error: a check failed: model registry (see above)", err=True)
+        raise typer.Exit(1)

@@ -1,0 +1,89 @@
+"""`mars serve`: the OpenAI-compatible server (parse the flags, load, serve)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from typer import echo
+
+from . import flags as opt
+from ..core.errors import MarsError
+
+
+@opt.generation_options
+def serve(
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8080, "--port", help="Port (0: a free one, printed at start)."),
+    api_key: Optional[str] = typer.Option(
+        None, "--api-key", envvar="MARS_API_KEY", help="Require 'Authorization: Bearer KEY' (env MARS_API_KEY)."
+    ),
+    queue: int = typer.Option(64, "--queue", help="Requests that may wait for the engine; more get 503."),
+    n_predict: int = typer.Option(
+        -1, "-n", "--n-predict", "--predict",
+        help="Default max tokens of a request without max_tokens (-1: until the end or a full context).",
+    ),
+    alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients see (default: the model's name)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No line per request on stderr."),
+    cors: Optional[List[str]] = typer.Option(
+        None, "--cors", metavar="ORIGIN", help="Let web pages from this origin call the API from a browser (repeatable; '*' = any)."
+    ),
+    allowed_host: Optional[List[str]] = typer.Option(
+        None, "--allowed-host", metavar="NAME",
+        help="Accept requests whose Host is NAME (repeatable; on loopback only loopback names and --host are "
+             "accepted by default, elsewhere any unless this is given).",
+    ),
+    gen: opt.GenOptions = None,
+) -> None:
+    """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
+    from ..server import bind, check_allowed_host, check_installed, check_origin, is_loopback, run_server
+
+    check_installed()
+    opt.check_n_predict(n_predict)
+    if queue < 1:
+        raise MarsError(f"--queue must be >= 1, got {queue}")
+    if api_key is not None and not api_key.strip():
+        raise MarsError("--api-key is empty")
+    if alias is not None and not alias.strip():
+        raise MarsError("--alias is empty")
+    origins = tuple(dict.fromkeys(check_origin(o) for o in cors or ()))
+    hosts = tuple(dict.fromkeys(check_allowed_host(h) for h in allowed_host or ()))
+    choice = gen.choice()
+    cfg = gen.config(choice, n_predict)
+    sock = bind(host, port)  # a busy port fails before the models load
+    try:
+        eng = gen.engine(choice)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        from ..server.app import ServerSettings, create_app
+
+        target = Path(choice.target)
+        model_id = alias or (choice.label if choice.pair is not None else target.stem)
+        aliases = tuple({choice.label, target.name, target.stem, str(choice.target)} - {model_id})
+        info = {"drafter": choice.drafter, "verify": cfg.verify, "n_ctx": eng.n_ctx}
+        settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info,
+                                  cors=origins, host=host, allowed_hosts=hosts)
+        app = create_app(eng, settings)
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+
+        def ready() -> None:
+            echo(f"mars serve: {model_id} (drafter: {choice.drafter}, verify: {cfg.verify}) on "
+                 f"http://{shown}:{bound_port}/v1", err=True)
+            if not is_loopback(host) and api_key is None:
+                opt.warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
+
+        run_server(app, sock, ready)
+        # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too,
+        # and never free the models under a generation that is still running
+        if not app.state.server.worker.stop(timeout=30.0):
+            echo("mars serve: a generation did not stop in time; exiting without freeing the models", err=True)
+            sock.close()
+            os._exit(130)
+    finally:
+        sock.close()
+        eng.close()

@@ -1,0 +1,242 @@
+"""What one generation takes and gives: its settings, its chunks, its result.
+
+Pure (no llama.cpp): :class:`GenerateConfig` validates on construction;
+:class:`Stream` is what :meth:`mars_local.speculate.engine.Engine.stream` returns.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..speculate.adaptive import AdaptiveK
+from .choices import DRAFT_SAMPLINGS, DraftSampling, VerifyMethod
+from ..speculate.drafters import Drafter
+from .errors import MarsError
+from .sampling import SamplingParams
+from .stats import SpecStats
+from .verify import VerifyConfig
+
+__all__ = ["GenerateConfig", "Chunk", "Generation", "Stream", "TokenLogprob", "MAX_DRAFT"]
+
+MAX_DRAFT = 63  # patches/0003: batches of up to 64 rows use the kernels of a 1-row decode
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything that shapes one generation (validated on construction)."""
+
+    max_tokens: int = 256  # -1: until an end-of-generation token or a full context
+    verify: VerifyMethod = "mars"
+    theta: float = VerifyConfig.theta
+    draft_max: int = 8
+    draft_min: int = 0
+    draft_p_min: float = 0.0
+    draft_sampling: DraftSampling = "greedy"
+    adaptive: bool = True
+    max_relaxed: int | None = None
+    require_positive_top1: bool = True
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Controls honoured inside verify windows (row i sees the committed text plus drafts 0..i-1):
+    ignore_eos: bool = False  # end-of-generation tokens masked in the target's rows and the draft's
+    stop: tuple[str, ...] = ()  # stop strings: the output ends just before the first one
+    repeat_penalty: float = 1.0  # llama.cpp's penalties, over the last repeat_last_n tokens
+    repeat_last_n: int = 64  # 0: off, -1: the whole context
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    grammar: str | None = None  # GBNF text (see mars_local.speculate.grammar for JSON and JSON schemas)
+    logprobs: int = 0  # the target's top-N log probabilities at each emitted token (0: none)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 and self.max_tokens != -1:
+            raise MarsError(
+                f"the number of tokens to generate must be >= 1, or -1 for no limit, got {self.max_tokens}"
+            )
+        if isinstance(self.stop, str) or not all(isinstance(x, str) and x for x in self.stop):
+            raise MarsError("stop must be a sequence of non-empty strings")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not (np.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise MarsError(f"repeat-penalty must be > 0 (1 is off), got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                raise MarsError(f"{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        if self.repeat_last_n < -1:
+            raise MarsError(f"repeat-last-n must be >= -1 (-1: the whole context, 0: off), got {self.repeat_last_n}")
+        if self.grammar is not None and not self.grammar.strip():
+            raise MarsError("the grammar is empty")
+        if not 0 <= self.logprobs <= 20:
+            raise MarsError(f"logprobs must be in 0..20, got {self.logprobs}")
+        if not 0 <= self.draft_max <= MAX_DRAFT:
+            raise MarsError(
+                f"draft-max must be in 0..{MAX_DRAFT} (verify windows of up to {MAX_DRAFT + 1} rows are "
+                f"computed exactly like single tokens), got {self.draft_max}"
+            )
+        if self.draft_min < 0 or self.draft_min > max(self.draft_max, 0):
+            raise MarsError(f"draft-min must be in [0, draft-max={self.draft_max}], got {self.draft_min}")
+        if not (0.0 <= self.draft_p_min <= 1.0):
+            raise MarsError(f"draft-p-min must be in [0, 1], got {self.draft_p_min}")
+        if self.draft_sampling not in DRAFT_SAMPLINGS:
+            raise MarsError(f"draft sampling must be {' or '.join(DRAFT_SAMPLINGS)}, got {self.draft_sampling!r}")
+        self.verify_config()  # validates the verification fields (their one home: VerifyConfig)
+
+    def verify_config(self, eog_ids: tuple[int, ...] = ()) -> VerifyConfig:
+        """The verification rule these settings ask for (``eog_ids``: the target's end-of-generation tokens)."""
+        return VerifyConfig(self.verify, self.theta, self.require_positive_top1, self.max_relaxed, tuple(eog_ids))
+
+    @property
+    def unlimited(self) -> bool:
+        return self.max_tokens == -1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits."""
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def make(cls, **kw) -> "GenerateConfig":
+        """Build from flat keyword arguments (sampling fields included)."""
+        s_fields = {f for f in SamplingParams.__dataclass_fields__}
+        s_kw = {k: kw.pop(k) for k in list(kw) if k in s_fields}
+        unknown = set(kw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
+        base = kw.pop("sampling", None) or SamplingParams()
+        return cls(sampling=replace(base, **s_kw), **kw)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log probability of an emitted token and its top-N alternatives.
+
+    From the target row that produced the token (penalties and grammar applied,
+    before temperature and truncation): no extra forward is run.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log probability), most likely first
+
+    def to_dict(self, piece=None) -> dict:
+        """JSON form; ``piece(token_id) -> str`` adds the text of each token."""
+        d: dict = {"token": self.token, "logprob": self.logprob}
+        top = [{"token": t, "logprob": lp} for t, lp in self.top]
+        if piece is not None:
+            d["text"] = piece(self.token)
+            for e in top:
+                e["text"] = piece(e["token"])
+        d["top"] = top
+        return d
+
+
+def token_logprobs(rows, tokens: list[int], n_top: int) -> list[TokenLogprob]:
+    """Log probabilities of ``tokens[i]`` under row i of ``rows`` (log-softmax in float64), with the top ``n_top``."""
+    out = []
+    for i, t in enumerate(tokens):
+        z = np.asarray(rows[i], dtype=np.float64)
+        m = z.max()
+        lse = m + np.log(np.exp(z - m).sum())
+        top = np.argpartition(-z, n_top - 1)[:n_top] if n_top < len(z) else np.arange(len(z))
+        top = sorted(top.tolist(), key=lambda j: (-z[j], j))
+        out.append(TokenLogprob(int(t), float(z[t] - lse), tuple((int(j), float(z[j] - lse)) for j in top)))
+    return out
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one round, with how each was produced.
+
+    kinds: "draft" (accepted draft token), "relaxed" (accepted only because of
+    MARS) or "target" (the target's correction or bonus token).  ``text`` may
+    lag ``tokens``: an incomplete UTF-8 sequence, or text that could be the
+    start of a stop string, is held back until it is decided.
+    ``logprobs``: one entry per token when ``GenerateConfig.logprobs`` > 0.
+    """
+
+    tokens: list[int]
+    text: str
+    kinds: list[str]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    kinds: list[str]
+    stats: SpecStats
+    logprobs: list[TokenLogprob] | None = None
+
+    def to_dict(self, piece=None) -> dict:
+        d = {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            d["logprobs"] = [lp.to_dict(piece) for lp in self.logprobs]
+        return d
+
+
+class Stream(Iterator[Chunk]):
+    """The chunks of one generation (what :meth:`Engine.stream` returns).
+
+    ``config`` is the :class:`GenerateConfig` it runs with; ``stats`` is this
+    generation's :class:`SpecStats`: filled in as the chunks
+    come, final once the stream is exhausted or closed (``close()``, a ``with``
+    block, or the stream being collected), stop_reason included.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], stats: SpecStats, config: GenerateConfig | None = None):
+        self._chunks = chunks
+        self.stats = stats
+        self.config = config if config is not None else GenerateConfig()
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        """Stop the generation here: stop_reason "interrupted" unless it had ended
+        (a stream closed before its first chunk never started: its stats stay empty)."""
+        self._chunks.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class _Run:
+    """The state of one generation, shared by the steps of the loop."""
+
+    tokens: list[int]  # every committed token: prompt + generated (tokens[-1] is not in the target's cache)
+    cfg: GenerateConfig
+    vcfg: VerifyConfig
+    seed: int
+    drafter: Drafter
+    stats: SpecStats
+    ctrl: AdaptiveK | None
+    controls: object = None  # controls.Controls: penalties, EOG masking, grammar (window-aware)
+    stops: object = None  # controls.StopScanner
+    logits: object = None  # the latest window's rows (processed), for logprobs
+    generated: int = 0
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
+
+    def text(self, pieces: list[bytes]) -> tuple[str, int]:
+        """The text of new tokens (their UTF-8 ``pieces``) that may be shown now, and how
+        many of the tokens to keep: all, or up to the one that completes a stop string."""
+        if not self.stops.stops:
+            return self.decoder.decode(b"".join(pieces)), len(pieces)
+        out = []
+        for i, piece in enumerate(pieces):
+            out.append(self.stops.feed(self.decoder.decode(piece)))
+            if self.stops.stopped:
+                return "".join(out), i + 1
+        return "".join(out), len(pieces)

