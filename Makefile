@@ -11,9 +11,9 @@ PROMPT  ?= Explain speculative decoding in two sentences.
 # The pure modules' tests (imports, gguf_file, verify, sampling, adaptive, learned) in a
 # venv without llama-cpp-python: proves the core needs no native build.
 PURE_VENV  := .cache/venv-pure
-PURE_TESTS := tests/test_imports.py tests/test_gguf_file.py tests/test_verify.py tests/test_verify_stats.py \
-              tests/test_adaptive.py tests/test_learned.py tests/test_drafters.py tests/test_controls_pure.py \
-              tests/test_chat_input.py tests/test_server_requests.py tests/test_stats.py
+PURE_TESTS := tests/test_imports.py tests/llama/test_gguf_file.py tests/core/test_verify.py tests/core/test_verify_stats.py \
+              tests/speculate/test_adaptive.py tests/speculate/test_learned.py tests/speculate/test_drafters.py tests/speculate/test_controls_pure.py \
+              tests/chat/test_chat_input.py tests/server/test_server_requests.py tests/core/test_stats.py
 
 .PHONY: install run test test-pure bench clean distclean rpc-server
 

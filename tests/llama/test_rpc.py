@@ -19,7 +19,7 @@ import pytest
 from mars_local.core.errors import MarsError
 from mars_local.llama.rpc import parse_endpoints, parse_tensor_split, probe
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RPC_BIN = Path(os.environ.get("MARS_RPC_SERVER", ROOT / ".cache" / "rpc-server" / "current" / "ggml-rpc-server"))
 MARS = str(Path(sys.executable).with_name("mars"))
 PROMPT = "The three primary colours are"

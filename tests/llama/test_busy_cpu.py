@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from fake_engine import fake_engine  # noqa: F401  (fixture)
 
 from mars_local.llama.runtime import busy_note, read_busy_note
 
@@ -36,18 +35,3 @@ def test_read_busy_note_parses_proc_loadavg(tmp_path):
     assert read_busy_note(512, str(f)) is None
     assert read_busy_note(2, str(tmp_path / "missing")) is None
 
-
-def test_the_cli_warns_once_when_the_cpu_is_busy(fake_engine, monkeypatch):
-    """`mars run` asks with the engine's thread count and prints the note as one warning line."""
-    import mars_local.llama.runtime
-    from test_cli_controls import FAKE, invoke
-
-    asked = []
-    monkeypatch.setattr(mars_local.llama.runtime, "read_busy_note",
-                        lambda threads: asked.append(threads) or busy_note(threads, 2, 2.0, 3))
-    fake_engine.n_threads = 2
-    fake_engine.reply = "ok"
-    r = invoke("run", "hi", "-m", FAKE)
-    assert r.exit_code == 0, r.output
-    lines = [x for x in r.stderr.splitlines() if "CPU is busy" in x]
-    assert asked == [2] and len(lines) == 1 and lines[0].startswith("warning:") and "try -t 1" in lines[0], r.stderr

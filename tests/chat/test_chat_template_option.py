@@ -23,7 +23,7 @@ from mars_local.chat.tokens import tokenize_chat
 from fake_engine import fake_engine  # noqa: F401  (fixture)
 from tinymodels import CHATML, make_tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_CACHE = ROOT / ".cache" / "test-models"
 
 CONVERSATION = [

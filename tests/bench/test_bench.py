@@ -526,7 +526,7 @@ def test_thetas_parse():
 def test_report_script_renders_markdown(tmp_path, capsys):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("report", Path(__file__).parents[1] / "benchmarks" / "report.py")
+    spec = importlib.util.spec_from_file_location("report", Path(__file__).parents[2] / "benchmarks" / "report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     base = dict(acceptance_rate=None, mean_accepted_length=1.0, relaxed_share=None, token_agreement=1.0,

@@ -12,7 +12,7 @@ from mars_local.llama.runtime import Context, Model
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _standin_module():

@@ -20,7 +20,7 @@ from mars_local.models.hub import split_parts
 
 from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
 
 

@@ -516,3 +516,19 @@ def test_e2e_chat_template_builtin_names_and_a_jinja_file(tiny, tmp_path):
     assert from_file["stats"]["n_prompt"] == inline["stats"]["n_prompt"]
     shorter = run_json("hi", *tiny, "-n", 2, "--chat", "--chat-template", short)
     assert from_file["stats"]["n_prompt"] - shorter["stats"]["n_prompt"] == 4  # one token per '<' and '>'
+
+
+def test_the_cli_warns_once_when_the_cpu_is_busy(fake_engine, monkeypatch):
+    """`mars run` asks with the engine's thread count and prints the note as one warning line."""
+    import mars_local.llama.runtime
+    from mars_local.llama.runtime import busy_note
+
+    asked = []
+    monkeypatch.setattr(mars_local.llama.runtime, "read_busy_note",
+                        lambda threads: asked.append(threads) or busy_note(threads, 2, 2.0, 3))
+    fake_engine.n_threads = 2
+    fake_engine.reply = "ok"
+    r = invoke("run", "hi", "-m", FAKE)
+    assert r.exit_code == 0, r.output
+    lines = [x for x in r.stderr.splitlines() if "CPU is busy" in x]
+    assert asked == [2] and len(lines) == 1 and lines[0].startswith("warning:") and "try -t 1" in lines[0], r.stderr
