@@ -12,6 +12,7 @@ import collections
 import ctypes
 import os
 import threading
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -381,6 +382,77 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
+@dataclass(frozen=True)
+class _CtxInfo:
+    requested: int  # the context size asked for (0 resolved to the training context)
+    n_ctx: int
+    n_batch: int
+    n_threads: int
+    kv_bytes: int
+
+
+def context_params(model: Model, n_ctx, n_batch: int = 512, n_threads: int | None = None,
+                   flash_attn: bool | None = None, kv_type: str = "f16"):
+    """llama_context_params for ``model`` (checked: size, KV type, memory) and what they resolve to.
+
+    Shared by :class:`Context` and :class:`~mars_local.llama.streams.MultiContext`
+    (which sets n_seq_max and kv_unified on the result)."""
+    if n_ctx is None:
+        n_ctx = 0
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)):
+        raise MarsError(f"the context size must be a whole number of tokens, got {n_ctx!r}")
+    n_ctx = int(n_ctx)
+    if n_ctx < 0:
+        raise MarsError(
+            f"the context size must be >= 0 (0: the model's training context, {model.n_ctx_train}), got {n_ctx}"
+        )
+    # 0 means the training context (llama.cpp's convention); a larger size
+    # than the training context is allowed, as in llama.cpp (callers warn).
+    requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else 4096)
+    if requested > MAX_CTX:
+        raise MarsError(f"the context size {requested:,} is too large (at most {MAX_CTX:,} tokens)")
+    n_ctx = max(16, requested)
+    if kv_type not in KV_TYPES:
+        raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+    kv_bytes = 0 if model.recurrent else kv_cache_bytes(model, n_ctx, kv_type)
+    # On the CPU llama.cpp clears the whole cache when it allocates it, so a
+    # cache larger than the free memory would swap or be OOM-killed: refuse
+    # it first.  (A sliding-window model needs less than the estimate.)
+    avail = None if model.offloaded or C.llama_model_n_swa(model._model) > 0 else _available_memory()
+    if avail is not None and kv_bytes > avail:
+        raise MarsError(
+            f"a context of {requested:,} tokens needs about {_gib(kv_bytes)} of KV cache, more than the "
+            f"{_gib(avail)} of memory available; use a smaller -c"
+        )
+    n_batch = max(1, min(int(n_batch), n_ctx))
+    threads = int(n_threads) if n_threads else default_threads()
+    cp = C.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = n_batch
+    cp.n_ubatch = n_batch
+    cp.n_threads = threads
+    cp.n_threads_batch = threads
+    cp.no_perf = True
+    if flash_attn is not None:
+        cp.flash_attn_type = 1 if flash_attn else 0
+    cp.type_k = cp.type_v = KV_TYPES[kv_type]
+    return cp, _CtxInfo(requested, n_ctx, n_batch, threads, kv_bytes)
+
+
+def create_context(model: Model, cp, info: _CtxInfo):
+    """llama_init_from_model, or a one-line MarsError with llama.cpp's reason."""
+    _recent_log.clear()
+    ctx = C.llama_init_from_model(model._model, cp)
+    if not ctx:
+        reason = _last_llama_error()
+        size = f" (its KV cache needs about {_gib(info.kv_bytes)})" if info.kv_bytes else ""
+        raise MarsError(
+            f"cannot create a llama.cpp context of {cp.n_ctx:,} tokens{size}" + (f": {reason}" if reason else "")
+            + "; use a smaller -c"
+        )
+    return ctx
+
+
 class Context:
     """One llama_context with its batch, its KV token mirror and logits views.
 
@@ -400,55 +472,10 @@ class Context:
         kv_type: str = "f16",
     ):
         self.model = model
-        if n_ctx is None:
-            n_ctx = 0
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)):
-            raise MarsError(f"the context size must be a whole number of tokens, got {n_ctx!r}")
-        n_ctx = int(n_ctx)
-        if n_ctx < 0:
-            raise MarsError(
-                f"the context size must be >= 0 (0: the model's training context, {model.n_ctx_train}), got {n_ctx}"
-            )
-        # 0 means the training context (llama.cpp's convention); a larger size
-        # than the training context is allowed, as in llama.cpp (callers warn).
-        requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else 4096)
-        if requested > MAX_CTX:
-            raise MarsError(f"the context size {requested:,} is too large (at most {MAX_CTX:,} tokens)")
-        self.n_ctx_requested = requested
-        n_ctx = max(16, requested)
-        if kv_type not in KV_TYPES:
-            raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
-        kv_bytes = 0 if model.recurrent else kv_cache_bytes(model, n_ctx, kv_type)
-        # On the CPU llama.cpp clears the whole cache when it allocates it, so a
-        # cache larger than the free memory would swap or be OOM-killed: refuse
-        # it first.  (A sliding-window model needs less than the estimate.)
-        avail = None if model.offloaded or C.llama_model_n_swa(model._model) > 0 else _available_memory()
-        if avail is not None and kv_bytes > avail:
-            raise MarsError(
-                f"a context of {requested:,} tokens needs about {_gib(kv_bytes)} of KV cache, more than the "
-                f"{_gib(avail)} of memory available; use a smaller -c"
-            )
-        n_batch = max(1, min(int(n_batch), n_ctx))
-        threads = int(n_threads) if n_threads else default_threads()
-        cp = C.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = n_batch
-        cp.n_ubatch = n_batch
-        cp.n_threads = threads
-        cp.n_threads_batch = threads
-        cp.no_perf = True
-        if flash_attn is not None:
-            cp.flash_attn_type = 1 if flash_attn else 0
-        cp.type_k = cp.type_v = KV_TYPES[kv_type]
-        _recent_log.clear()
-        self._ctx = C.llama_init_from_model(model._model, cp)
-        if not self._ctx:
-            reason = _last_llama_error()
-            size = f" (its KV cache needs about {_gib(kv_bytes)})" if kv_bytes else ""
-            raise MarsError(
-                f"cannot create a llama.cpp context of {n_ctx:,} tokens{size}" + (f": {reason}" if reason else "")
-                + "; use a smaller -c"
-            )
+        cp, info = context_params(model, n_ctx, n_batch, n_threads, flash_attn, kv_type)
+        self.n_ctx_requested = info.requested
+        self._ctx = create_context(model, cp, info)
+        n_batch, threads = info.n_batch, info.n_threads
         self.n_ctx = int(C.llama_n_ctx(self._ctx))
         self.n_batch = n_batch
         self.n_threads = threads

@@ -1,0 +1,235 @@
+"""Many sequences in one llama.cpp context, each in its own KV stream.
+
+:class:`MultiContext` holds up to ``n_seq`` sequences; :meth:`MultiContext.seq`
+gives a :class:`SeqView` with the interface of :class:`~mars_local.llama.runtime.Context`
+(``tokens``, ``n_past``, ``n_ctx``, ``eval``, ``truncate``, ``sync``) for one
+sequence, so the per-sequence steps of the speculative loop run unchanged on it;
+:meth:`MultiContext.decode_windows` evaluates the windows of many sequences in as
+few ``llama_decode`` calls as exactness allows.
+
+Why per-sequence streams (``kv_unified = false``)
+  In a unified cache a sequence's cells are wherever the cache had room: after
+  another sequence rolls its draft back, the next tokens fill the freed cells, so
+  a sequence's keys stop being in position order.  Attention sums its keys in
+  cell order, so the rows come out different in the last bits from a lone run
+  (measured: 20 of 240 windows differ, max |logit diff| 0.09, SmolLM2 F16, 8
+  sequences).  With a stream per sequence every sequence's cells sit exactly
+  where a lone run would put them, and its rows equal a lone run's bit for bit.
+
+What one decode may carry (exactness)
+  * Windows of at most ``MAX_INVARIANT_ROWS`` rows in all: our patched kernels
+    compute a row the same whatever else shares the batch up to 64 rows
+    (``patches/0002``, ``0003``); above it quantized weights take tiled kernels
+    (measured: 72 rows of a Q4_K_M model differ from lone rows).
+  * Windows of equal length from sequences with consecutive ids: llama.cpp splits
+    a batch over several streams into "equal" micro-batches (the same number of
+    rows per sequence, consecutive streams), so unequal windows would cost one
+    forward per distinct length.  Callers pad windows to a common length (the
+    padded rows are computed and then rolled back, never verified).
+  * A prompt is prefilled in decodes of its own, chunked by ``n_batch`` like a
+    lone run, never mixed with other sequences' windows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..core.errors import MarsError
+from ..core.tokens import common_prefix_len
+from .runtime import C, Model, context_params, create_context
+
+__all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView"]
+
+MAX_INVARIANT_ROWS = 64  # rows one decode may carry with every row computed as alone (patches/0002, 0003)
+
+
+class MultiContext:
+    """One llama_context with ``n_seq`` sequences of up to ``n_ctx_seq`` tokens each.
+
+    The KV cache holds ``n_seq * n_ctx_seq`` cells (llama.cpp gives each stream an
+    equal share).  Sequences are numbered 0 .. n_seq-1; a free one is empty.
+    """
+
+    def __init__(self, model: Model, n_seq: int, n_ctx_seq: int = 4096, n_batch: int = 512,
+                 n_threads: int | None = None, flash_attn: bool | None = None, kv_type: str = "f16",
+                 unified: bool = False):
+        if not 1 <= n_seq <= 256:
+            raise MarsError(f"the number of parallel sequences must be in 1..256, got {n_seq}")
+        self.model = model
+        cp, info = context_params(model, n_ctx_seq * n_seq, n_batch, n_threads, flash_attn, kv_type)
+        cp.n_seq_max = n_seq
+        # unified: one cache all sequences share, any window lengths in one micro-batch, rows
+        # not exact (cell order): for a draft model, whose numerics never change strict output
+        cp.kv_unified = unified
+        self._ctx = create_context(model, cp, info)
+        self.n_seq = n_seq
+        self.unified = unified
+        # tokens per sequence (shared cells when unified: each may use the share it would have)
+        self.n_ctx = int(C.llama_n_ctx_seq(self._ctx)) // (n_seq if unified else 1)
+        self.n_batch = info.n_batch
+        self.n_threads = info.n_threads
+        self.mem = C.llama_get_memory(self._ctx)
+        self.n_vocab = model.n_vocab
+        self._batch = C.llama_batch_init(max(self.n_batch, MAX_INVARIANT_ROWS), 0, 1)
+        b = self._batch
+        rows = max(self.n_batch, MAX_INVARIANT_ROWS)
+        for i in range(rows):
+            b.n_seq_id[i] = 1
+        self._tok = np.ctypeslib.as_array(b.token, shape=(rows,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(rows,))
+        self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(rows,))
+        self._seq_ptrs = [b.seq_id[i] for i in range(rows)]
+        self.seqs = [SeqView(self, i) for i in range(n_seq)]
+        self.n_decodes = 0  # llama_decode calls so far (the scheduler's statistics)
+
+    def seq(self, i: int) -> "SeqView":
+        return self.seqs[i]
+
+    # ------------------------------------------------------------ decoding
+    def _decode(self, parts: Sequence[tuple[int, Sequence[int], int]]) -> None:
+        """One llama_decode of ``parts``: (sequence, tokens, output rows at the end)."""
+        if not self._ctx:
+            raise MarsError("this context was closed")
+        i = 0
+        for s, toks, n_out in parts:
+            view, n = self.seqs[s], len(toks)
+            start = len(view.tokens)
+            self._tok[i:i + n] = toks
+            self._pos[i:i + n] = np.arange(start, start + n)
+            self._out[i:i + n] = 0
+            if n_out:
+                self._out[i + n - n_out:i + n] = 1
+            for r in range(i, i + n):
+                self._seq_ptrs[r][0] = s
+            i += n
+        self._batch.n_tokens = i
+        rc = C.llama_decode(self._ctx, self._batch)
+        self.n_decodes += 1
+        if rc != 0:
+            for s, _, _ in parts:  # llama.cpp removed this batch's positions; keep the mirrors in step
+                C.llama_memory_seq_rm(self.mem, s, len(self.seqs[s].tokens), -1)
+            if rc == 1:
+                raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        for s, toks, _ in parts:
+            self.seqs[s].tokens.extend(int(t) for t in toks)
+
+    def _rows(self, n: int, first: int = 0) -> np.ndarray:
+        ptr = C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(first + n, self.n_vocab))[first:]
+
+    def decode_windows(self, windows: Sequence[tuple[int, Sequence[int]]],
+                       max_rows: int = MAX_INVARIANT_ROWS, last_only: bool = False) -> list[np.ndarray]:
+        """Evaluate each (sequence, window) and return every window's rows of logits (copies;
+        ``last_only``: its last row only, shape (1, V)).
+
+        Windows go in sequence order, ``max_rows`` rows per decode at most (whole
+        windows; a window longer than that is refused).  For one micro-batch per
+        decode give windows of equal length from consecutive sequences.
+        """
+        order = sorted(range(len(windows)), key=lambda j: windows[j][0])
+        out: list[np.ndarray | None] = [None] * len(windows)
+        group: list[int] = []
+        rows = 0
+
+        def flush():
+            nonlocal rows
+            if not group:
+                return
+            self._decode([(windows[j][0], windows[j][1], 1 if last_only else len(windows[j][1])) for j in group])
+            offset = 0
+            for j in group:
+                n = 1 if last_only else len(windows[j][1])
+                out[j] = self._rows(n, offset).copy()
+                offset += n
+            group.clear()
+            rows = 0
+
+        for j in order:
+            s, toks = windows[j]
+            n = len(toks)
+            if not 1 <= n <= max_rows:
+                raise ValueError(f"a window must have 1..{max_rows} rows, got {n}")
+            if len(self.seqs[s].tokens) + n > self.n_ctx:
+                raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+            if rows + n > max_rows:
+                flush()
+            group.append(j)
+            rows += n
+        flush()
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class SeqView:
+    """One sequence of a :class:`MultiContext`, with the Context interface."""
+
+    def __init__(self, owner: MultiContext, seq_id: int):
+        self.owner, self.seq_id = owner, seq_id
+        self.tokens: list[int] = []  # mirror of this sequence's cells, positions 0..len-1
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.owner.n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        return self.owner.n_batch
+
+    @property
+    def n_threads(self) -> int:
+        return self.owner.n_threads
+
+    def eval(self, tokens, n_out: int = 1) -> np.ndarray | None:
+        """Append ``tokens`` (alone in their decodes, chunked by n_batch); logits of the last n_out rows."""
+        tokens = list(tokens)
+        if not tokens:
+            return None
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+        nb, i = self.n_batch, 0
+        while len(tokens) - i > nb:
+            self.owner._decode([(self.seq_id, tokens[i:i + nb], 0)])
+            i += nb
+        rest = tokens[i:]
+        n = min(n_out, len(rest))
+        self.owner._decode([(self.seq_id, rest, n)])
+        return self.owner._rows(n) if n else None
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop this sequence's positions >= n_keep (KV rollback)."""
+        if n_keep >= len(self.tokens):
+            return
+        if not C.llama_memory_seq_rm(self.owner.mem, self.seq_id, n_keep, -1):
+            raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
+        del self.tokens[n_keep:]
+
+    def sync(self, tokens) -> int:
+        """Make this sequence hold exactly ``tokens``, reusing the common prefix; tokens evaluated."""
+        keep = common_prefix_len(self.tokens, tokens)
+        self.truncate(keep)
+        rest = list(tokens[keep:])
+        if rest:
+            self.eval(rest, n_out=0)
+        return len(rest)
+
+    def clear(self) -> None:
+        self.truncate(0)

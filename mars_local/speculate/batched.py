@@ -1,0 +1,618 @@
+"""Many sequences at once: continuous batching of speculative decoding.
+
+A :class:`Scheduler` runs up to ``n_parallel`` generations over one Engine's
+models.  Each sequence keeps everything a lone generation has (its tokens,
+drafter, controls, verify rule and θ, stop strings, statistics); what they
+share is the target forward.  One round (:meth:`Scheduler.step`):
+
+1. admit: a waiting request takes the lowest free sequence slot; a joining
+   sequence's prompt is prefilled one ``n_batch`` chunk per round, in decodes
+   of its own (never mixed with other sequences' windows), so a long prompt
+   delays the others by one chunk per round, not by its whole length;
+2. draft: every decoding sequence's drafter proposes (as in a lone round);
+3. choose one window length for the round, load-aware (:func:`choose_window`):
+   the k that maximises the expected tokens of all sequences per second of
+   one forward of ``n * (k + 1)`` rows, with the cost of a forward of R rows
+   learned from the forwards timed so far.  k = 0 is plain batched decoding;
+   as sequences join k shrinks (rows cost more), and it grows again as they leave;
+4. one target decode of every window (``[last, d_0 .. d_{k-1}]``, shorter drafts
+   padded to the common length: padded rows are computed, never verified, and
+   rolled back), at most 64 rows per decode (:mod:`mars_local.llama.streams`);
+5. per sequence: controls, the verify rule on its own rows, rollback of its
+   own cells, the new tokens emitted as a :class:`Chunk`; a finished sequence
+   frees its slot at once.
+
+Exactness: every sequence sits in its own KV stream and a window's rows are
+computed exactly as a lone window's (see :mod:`mars_local.llama.streams`), so
+strict greedy output of every sequence equals plain greedy decoding of its
+prompt alone, whatever shares the batch.  Sampling draws are keyed by
+(seed, position) as in a lone run.
+
+Cancelling (:meth:`BatchStream.close`) removes a sequence before the next round;
+an error in one sequence (e.g. its grammar) finishes it with stop_reason "error"
+and the exception re-raised to its reader; the others go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..core.config import Chunk, GenerateConfig, Generation, _Run
+from ..core.errors import MarsError
+from ..core.stats import SpecStats
+from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView
+from .adaptive import AdaptiveK, expected_tokens
+from .controls import Controls, StopScanner
+from .drafters import EMPTY_DRAFT, Draft
+from .grammar import GrammarState
+
+__all__ = ["Scheduler", "BatchStream", "choose_window", "BatchCost"]
+
+CALIBRATION_ROWS = (1, 4, 16, 64)
+
+
+# ------------------------------------------------------------ the choice
+def choose_window(accepts: Sequence[Sequence[float]], costs: Sequence[float], k_max: int) -> int:
+    """The round's draft length k (pure).
+
+    ``accepts[i]``: the estimated acceptance of each token of sequence i's draft
+    (its length caps what it can gain); ``costs[R - 1]``: seconds of one forward of
+    R rows.  Returns argmax over k = 0..k_max of sum_i E_i[tokens | k] / costs[n(k+1) - 1],
+    where E_i is the expected accepted prefix of min(k, len) drafts plus one token.
+    """
+    n = len(accepts)
+    if n == 0:
+        return 0
+    best_k, best = 0, -1.0
+    for k in range(0, k_max + 1):
+        rows = n * (k + 1)
+        if rows > len(costs):
+            break
+        tokens = sum(expected_tokens(list(a[:k]), min(k, len(a))) if k and len(a) else 1.0 for a in accepts)
+        rate = tokens / costs[rows - 1]
+        if rate > best * 1.0001:
+            best_k, best = k, rate
+    return best_k
+
+
+@dataclass
+class BatchCost:
+    """Seconds of a target forward of R rows, R = 1..max_rows: decayed means of the
+    forwards timed, a line through them elsewhere, a prior before any."""
+
+    max_rows: int = MAX_INVARIANT_ROWS
+    decay: float = 0.95
+    _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
+    _warm: set = field(default_factory=set)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows not in self._warm:  # a new batch shape builds its graph once: not timed
+            self._warm.add(rows)
+            return
+        slot = self._time.setdefault(rows, [0.0, 0.0])
+        slot[0] = slot[0] * self.decay + seconds
+        slot[1] = slot[1] * self.decay + 1.0
+
+    _draft: list = field(default_factory=lambda: [0.0, 0.0])  # decayed draft seconds, tokens
+
+    def observe_draft(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens > 0:
+            d = self._draft
+            d[0], d[1] = d[0] * self.decay + seconds, d[1] * self.decay + n_tokens
+
+    def draft_cost(self, prior: float = 0.0) -> float:
+        t, n = self._draft
+        return t / n if n > 0.5 else prior
+
+    def costs(self, prior: AdaptiveK | None = None) -> list[float]:
+        seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05}
+        lone = prior.target_costs(self.max_rows) if prior is not None else None
+        if len(seen) < 2:
+            if lone is not None:  # a lone window of R rows costs about what R rows of a batch cost
+                return [seen.get(r, lone[r - 1]) for r in range(1, self.max_rows + 1)]
+            t1 = seen.get(1) or next(iter(seen.values()), 1.0)
+            return [t1 * (1.0 + 0.3 * (r - 1)) for r in range(1, self.max_rows + 1)]
+        xs = sorted(seen)
+        out = []
+        for r in range(1, self.max_rows + 1):
+            if r in seen:
+                out.append(seen[r])
+                continue
+            lo = max((x for x in xs if x < r), default=None)
+            hi = min((x for x in xs if x > r), default=None)
+            if lo is None:
+                lo, hi = xs[0], xs[1]
+            elif hi is None:
+                lo, hi = xs[-2], xs[-1]
+            slope = max(0.0, (seen[hi] - seen[lo]) / (hi - lo))
+            out.append(max(seen[lo] + slope * (r - lo), 1e-9))
+        return out
+
+
+# ------------------------------------------------------------ sequences
+@dataclass
+class _Seq:
+    run: _Run
+    view: SeqView | None = None
+    dview: SeqView | None = None  # the draft model's cells, when it drafts
+    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    chunks: collections.deque = field(default_factory=collections.deque)
+    done: bool = False
+    error: BaseException | None = None
+    t_start: float = 0.0
+
+
+class BatchStream(Iterator[Chunk]):
+    """The chunks of one sequence of a :class:`Scheduler` (iterating drives the scheduler)."""
+
+    def __init__(self, sched: "Scheduler", seq: _Seq):
+        self._sched, self._seq = sched, seq
+        self.stats: SpecStats = seq.run.stats
+        self.config: GenerateConfig = seq.run.cfg
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> Chunk:
+        s = self._seq
+        while not s.chunks:
+            if s.done:
+                if s.error is not None:
+                    err, s.error = s.error, None
+                    raise err
+                raise StopIteration
+            self._sched.step()
+        return s.chunks.popleft()
+
+    @property
+    def done(self) -> bool:
+        return self._seq.done and not self._seq.chunks
+
+    def close(self) -> None:
+        """Cancel: the sequence leaves before the next round (stop_reason "interrupted")."""
+        self._sched._cancel(self._seq)
+
+    def __enter__(self) -> "BatchStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Scheduler:
+    """Up to ``n_parallel`` generations at once over ``engine``'s models.
+
+    ``n_ctx_seq``: tokens each sequence may hold (default: the engine's context,
+    so a request that fits a lone run fits here); the KV cache holds
+    ``n_parallel * n_ctx_seq`` cells per model.
+    """
+
+    def __init__(self, engine, n_parallel: int, n_ctx_seq: int | None = None):
+        if n_parallel < 1:
+            raise MarsError(f"--parallel must be >= 1, got {n_parallel}")
+        self.eng = engine
+        self.n_parallel = n_parallel
+        n_seq_ctx = n_ctx_seq or engine.n_ctx
+        opts = dict(n_batch=engine._ctx.n_batch, n_threads=engine.n_threads)
+        self.mc = MultiContext(engine.target, n_parallel, n_seq_ctx, **opts)
+        self.dmc = None
+        if engine.drafter_kind == "model":
+            self.dmc = MultiContext(engine.draft_model, n_parallel, n_seq_ctx, unified=True, **opts)
+        self.cost = BatchCost()
+        self._free = list(range(n_parallel))
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._live: dict[int, _Seq] = {}  # slot -> sequence
+        self.calibrated = False
+        self.rounds = 0
+        self.last_rows = 0  # rows of the latest target forward (metrics)
+        self.last_k = 0
+
+    # -------------------------------------------------------------- requests
+    def submit(self, prompt: str | Sequence[int], config: GenerateConfig | None = None, **options) -> BatchStream:
+        """Queue a generation; it joins at the next round with a free slot."""
+        cfg = config if config is not None else GenerateConfig.make(**options)
+        if config is not None and options:
+            cfg = replace(cfg, **options)
+        eng = self.eng
+        tokens = eng._prompt_tokens(prompt)
+        if len(tokens) >= self.mc.n_ctx:
+            raise MarsError(f"the prompt is {len(tokens)} tokens but a sequence holds {self.mc.n_ctx}; "
+                            "use a larger -c or a shorter prompt")
+        seed = cfg.sampling.base_seed()
+        ctrl = eng._controller(cfg)
+        stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
+        grammar = GrammarState(eng.target, cfg.grammar) if cfg.grammar is not None else None
+        controls = Controls(cfg, eng.target.eog_ids, grammar)
+        run = _Run(tokens, cfg, cfg.verify_config(eng.target.eog_ids), seed, None, stats, ctrl,
+                   controls=controls, stops=StopScanner(cfg.stop))
+        seq = _Seq(run)
+        self._waiting.append(seq)
+        return BatchStream(self, seq)
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], config: GenerateConfig | None = None,
+                      **options) -> list[Generation]:
+        """Generate every prompt (at most n_parallel at a time); results in the prompts' order."""
+        streams = [self.submit(p, config, **options) for p in prompts]
+        while any(not s._seq.done for s in streams):
+            self.step()
+        out = []
+        for s in streams:
+            chunks = list(s)
+            lp = [x for c in chunks for x in (c.logprobs or [])] if s.config.logprobs else None
+            out.append(Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                                  [x for c in chunks for x in c.kinds], s.stats, lp))
+        return out
+
+    @property
+    def n_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------ one round
+    def step(self) -> bool:
+        """One round for every live sequence; False when there was nothing to do."""
+        self._admit()
+        if not self._live:
+            return False
+        if self._prefill_one():
+            pass
+        decoding = [s for s in self._live.values() if not s.pending and not s.done]
+        if decoding:
+            self._round(decoding)
+        for slot, s in list(self._live.items()):
+            if s.done:
+                self._release(slot, s)
+        self.rounds += 1
+        return True
+
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            s = self._waiting.popleft()
+            if s.done:  # cancelled while waiting
+                continue
+            slot = min(self._free)
+            self._free.remove(slot)
+            s.view = self.mc.seq(slot)
+            s.dview = self.dmc.seq(slot) if self.dmc is not None else None
+            s.run.drafter = self.eng._make_drafter(s.run.cfg, s.run.seed, s.run.controls)
+            if s.dview is not None and hasattr(s.run.drafter, "ctx"):
+                s.run.drafter.ctx = s.dview
+            s.pending = list(s.run.tokens[:-1])
+            s.t_start = time.perf_counter()
+            self._live[slot] = s
+
+    def _prefill_one(self) -> bool:
+        """One n_batch chunk of the first joining sequence's prompt (its own decode)."""
+        for s in self._live.values():
+            if s.pending and not s.done:
+                chunk, s.pending = s.pending[: self.mc.n_batch], s.pending[self.mc.n_batch:]
+                self._guard(s, lambda: s.view.eval(chunk, n_out=0))
+                s.run.stats.n_prompt_evaluated += len(chunk)
+                if not s.pending and not s.done:
+                    s.run.stats.time_prompt_target_s = time.perf_counter() - s.t_start
+                    self._guard(s, lambda: s.run.drafter.begin(s.run.tokens))
+                    s.run.stats.time_prompt_s = time.perf_counter() - s.t_start
+                return True
+        return False
+
+    def _calibrate(self, s: _Seq) -> None:
+        """Time forwards of a few row counts once, on top of a live sequence's cells
+        (rolled back after each): the round's choice needs the cost curve."""
+        base, last = s.view.n_past, s.run.tokens[-1]
+        for rows in CALIBRATION_ROWS:
+            if base + rows >= s.view.n_ctx:
+                break
+            for _ in range(2):  # the first forward of a new shape builds its graph
+                t0 = time.perf_counter()
+                self.mc.decode_windows([(s.view.seq_id, [last] * rows)])
+                self.cost.observe(rows, time.perf_counter() - t0)
+                s.view.truncate(base)
+        self.calibrated = True
+
+    def _round(self, seqs: list[_Seq]) -> None:
+        clock = time.perf_counter
+        caps = [(s, self._draft_cap(s)) for s in seqs]
+        seqs = [s for s, cap in caps if cap is not None]
+        if not seqs:
+            return
+        prior = next((s.run.ctrl for s in seqs if s.run.ctrl is not None), None)
+        if not self.calibrated and prior is not None:
+            if prior.target_costs(1) is None:  # no lone windows timed yet on this machine
+                self._calibrate(seqs[0])
+            self.calibrated = True
+        k_room = max(0, MAX_INVARIANT_ROWS // len(seqs) - 1)
+        costly = [s for s in seqs if not s.run.drafter.cheap and s.run.ctrl is not None]
+        if costly:  # plan the round before a draft model drafts: pooled acceptance, draft cost per token
+            k_room = min(k_room, self._plan_costly(seqs, caps, k_room))
+        t0 = clock()
+        caps = [cap for _, cap in caps if cap is not None]
+        drafts = self._draft_all(seqs, [min(c, k_room) for c in caps])
+        t_draft = clock() - t0
+        self.cost.observe_draft(sum(len(d) for d in drafts), t_draft)
+        k = self._choose_k(seqs, drafts, k_room)
+        self.last_k, self.last_rows = k, len(seqs) * (k + 1)
+        windows = []
+        for s, d in zip(seqs, drafts):
+            toks = [s.run.tokens[-1]] + d.tokens[:k]
+            toks += [toks[-1]] * (k + 1 - len(toks))  # padding: computed, rolled back, never verified
+            windows.append((s.view.seq_id, toks))
+        t1 = clock()
+        rows = self.mc.decode_windows(windows)
+        t_target = clock() - t1
+        self.cost.observe(len(seqs) * (k + 1), t_target)
+        for s, d, z in zip(seqs, drafts, rows):
+            d = _cut(d, k)
+            self._guard(s, lambda: self._finish_round(s, d, z, t_target / len(seqs), t_draft / len(seqs)))
+
+    def _plan_costly(self, seqs: list[_Seq], caps, k_room: int) -> int:
+        """The round's k before a draft model drafts: every sequence at its pooled acceptance."""
+        accepts = [[s.run.ctrl.acceptance(None)] * k_room if s.run.ctrl is not None else [1.0] * k_room
+                   for s in seqs]
+        prior = next(s.run.ctrl for s in seqs if s.run.ctrl is not None)
+        costs = self.cost.costs(prior)
+        per_token = self.cost.draft_cost(prior.draft_cost)  # per draft token (draft decodes are per sequence)
+        costs = list(costs)
+        best_k, best = 0, -1.0
+        n = len(seqs)
+        for k in range(0, k_room + 1):
+            rows = n * (k + 1)
+            if rows > len(costs):
+                break
+            tokens = sum(expected_tokens(a[:k], k) if k else 1.0 for a in accepts)
+            rate = tokens / (costs[rows - 1] + per_token * n * k)
+            if rate > best * 1.0001:
+                best_k, best = k, rate
+        return best_k
+
+    def _draft_all(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
+        """Every sequence's draft: cheap drafters propose on their own; draft models draft in
+        lockstep, one draft decode per step carrying one row of every sequence still drafting."""
+        drafts: list[Draft] = []
+        lockstep = []
+        for i, (s, cap) in enumerate(zip(seqs, caps)):
+            if s.dview is not None and not s.run.drafter.cheap:
+                lockstep.append(i)
+                drafts.append(EMPTY_DRAFT)
+            else:
+                d = self._guard(s, lambda: self._propose(s, cap))
+                drafts.append(d if d is not None else EMPTY_DRAFT)
+        if lockstep:
+            got = self._draft_lockstep([seqs[i] for i in lockstep], [caps[i] for i in lockstep])
+            for i, d in zip(lockstep, got):
+                drafts[i] = d
+        return drafts
+
+    def _draft_lockstep(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
+        steps = [_DraftSteps(s) for s in seqs]
+        live = [st for st, cap in zip(steps, caps) if cap > 0 and st.s.run.cfg.draft_max > 0 and not st.s.done]
+        for st, cap in zip(steps, caps):
+            st.k = cap
+        # catch up: the tokens the draft cache lacks, the last one included (any lengths: unified cache)
+        windows = [(st.s.dview.seq_id, st.s.run.tokens[st.s.dview.n_past:]) for st in live]
+        rows = self.dmc.decode_windows(windows, max_rows=self.dmc.n_batch, last_only=True) if live else []
+        while live:
+            nxt = []
+            for st, z in zip(live, rows):
+                if self._guard(st.s, lambda: st.push(z[0])):
+                    nxt.append(st)
+            live = nxt
+            if live:
+                rows = self.dmc.decode_windows([(st.s.dview.seq_id, [st.out[-1]]) for st in live],
+                                               max_rows=self.dmc.n_batch, last_only=True)
+        return [st.draft() for st in steps]
+
+    def _propose(self, s: _Seq, k_cap: int) -> Draft:
+        """Up to k_cap draft tokens (the round's k cuts them)."""
+        run = s.run
+        if k_cap <= 0 or run.cfg.draft_max == 0:
+            return EMPTY_DRAFT
+        d = run.drafter.propose(run.tokens, k_cap)
+        return d if len(d) >= max(run.cfg.draft_min, 1) else EMPTY_DRAFT
+
+    def _choose_k(self, seqs: list[_Seq], drafts: list[Draft], k_room: int) -> int:
+        longest = max((len(d) for d in drafts), default=0)
+        if longest == 0:
+            return 0
+        fixed = [s.run.ctrl is None for s in seqs]
+        if all(fixed):  # no controller (--no-adaptive): every draft as proposed
+            return min(longest, k_room)
+        accepts = []
+        for s, d in zip(seqs, drafts):
+            ctrl = s.run.ctrl
+            keys = d.keys if d.keys is not None else [None] * len(d)
+            accepts.append([ctrl.acceptance(key) for key in keys] if ctrl is not None else [1.0] * len(d))
+        prior = next((s.run.ctrl for s in seqs if s.run.ctrl is not None), None)
+        return choose_window(accepts, self.cost.costs(prior), min(longest, k_room))
+
+    def _finish_round(self, s: _Seq, d: Draft, z: np.ndarray, t_target: float, t_draft: float) -> None:
+        run, eng = s.run, self.eng
+        logits = z[: len(d) + 1]
+        base = s.view.n_past - z.shape[0]  # == len(tokens) - 1
+        if run.controls.active:
+            run.controls.process_window(run.tokens, logits, d.tokens)
+        run.logits = logits
+        from .native import available, verify as native_verify
+        from ..core.verify import verify
+
+        verify_window = native_verify if available() else verify
+        res = eng._verify(run, verify_window, logits, d)
+        s.view.truncate(base + 1 + res.n_accepted)
+        run.tokens.extend(res.tokens)
+        run.drafter.observe(run.tokens, res.n_accepted)
+        if s.dview is not None and s.dview.n_past >= len(run.tokens):
+            # a draft cut by the round's k may have run past the new last token: the
+            # draft cache holds a prefix of tokens[:-1] (the drafter's invariant)
+            s.dview.truncate(len(run.tokens) - 1)
+        stats = run.stats
+        stats.time_target_s += t_target
+        stats.time_draft_s += t_draft
+        if run.ctrl is not None:
+            keys = d.keys if d.keys is not None else [None] * len(d)
+            for i in range(min(res.n_accepted + 1, len(d))):
+                run.ctrl.observe_shadow(i < res.n_accepted, keys[i])
+        chunk = self._emit(s, len(d), res)
+        if chunk is not None:
+            s.chunks.append(chunk)
+        if stats.stop_reason in ("eog", "stop", "length", "context"):
+            self._end(s)
+
+    # ------------------------------------------------- per-sequence steps
+    def _draft_cap(self, s: _Seq) -> int | None:
+        run = s.run
+        remaining = (1 << 30) if run.cfg.unlimited else run.cfg.max_tokens - run.generated
+        if remaining <= 0:
+            run.stats.stop_reason = "length"
+            self._end(s)
+            return None
+        room = s.view.n_ctx - s.view.n_past - 1
+        if room < 0:
+            run.stats.stop_reason = "context"
+            self._end(s)
+            return None
+        return max(0, min(run.cfg.draft_max, remaining - 1, room))
+
+    def _emit(self, s: _Seq, k: int, res) -> Chunk | None:
+        from ..core.config import token_logprobs
+
+        run, target = s.run, self.eng.target
+        stats, new = run.stats, res.tokens
+        kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
+        stop = None
+        for i, t in enumerate(new):
+            if target.is_eog(t):
+                new, kinds, stop = new[:i], kinds[:i], "eog"
+                break
+        run.controls.commit(new)
+        text, n = run.text([target.piece(t) for t in new])
+        if run.stops.stopped:
+            new, kinds, stop = new[:n], kinds[:n], "stop"
+        stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
+        run.generated += len(new)
+        if stop:
+            stats.stop_reason = stop
+        elif not run.cfg.unlimited and run.generated >= run.cfg.max_tokens:
+            stats.stop_reason = "length"
+        elif s.view.n_ctx - s.view.n_past - 1 < 0:
+            stats.stop_reason = "context"
+        logprobs = token_logprobs(run.logits, new, run.cfg.logprobs) if run.cfg.logprobs else None
+        return Chunk(list(new), text, kinds, logprobs) if new or text else None
+
+    def _end(self, s: _Seq) -> None:
+        """Finish a sequence: the text held back (stop strings, split characters), final stats."""
+        if s.done:
+            return
+        run = s.run
+        try:
+            tail = run.stops.feed(run.decoder.decode(b"", final=True)) + run.stops.flush()
+            if tail:
+                s.chunks.append(Chunk([], tail, [], [] if run.cfg.logprobs else None))
+        finally:
+            run.controls.close()
+            run.stats.time_total_s = time.perf_counter() - s.t_start if s.t_start else 0.0
+            s.done = True
+
+    def _guard(self, s: _Seq, fn):
+        """Run one sequence's step; its failure ends that sequence only."""
+        if s.done:
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - reported to that sequence's reader
+            s.run.stats.stop_reason = "error"
+            s.error = exc
+            self._end(s)
+            return None
+
+    def _cancel(self, s: _Seq) -> None:
+        if not s.done:
+            s.run.stats.stop_reason = s.run.stats.stop_reason or "interrupted"
+            self._end(s)
+        s.chunks.clear()
+        for slot, live in list(self._live.items()):
+            if live is s:
+                self._release(slot, s)
+
+    def _release(self, slot: int, s: _Seq) -> None:
+        if self._live.get(slot) is s:
+            del self._live[slot]
+            s.view.clear()
+            if s.dview is not None:
+                s.dview.clear()
+            self._free.append(slot)
+
+    def close(self) -> None:
+        for s in list(self._waiting) + list(self._live.values()):
+            self._cancel(s)
+        for mc in (self.mc, self.dmc):
+            if mc is not None:
+                mc.close()
+
+
+class _DraftSteps:
+    """One sequence's draft made a token at a time by the lockstep drafter: the decisions of
+    :class:`~mars_local.speculate.drafters.ModelDrafter` (draft sampling, p_min, the target's
+    controls on the draft's rows, confidence keys) on rows the scheduler decodes for all."""
+
+    def __init__(self, s: _Seq):
+        d, run = s.run.drafter, s.run
+        self.s, self.k = s, 0
+        self.out: list[int] = []
+        self.probs: list = []
+        self.keys: list[str] = []
+        self.sampled = d.sampling == "sample" and not d.params.greedy
+        self.win = run.controls.window(run.tokens) if run.controls.active else None
+        d._base = s.dview.n_past
+
+    def push(self, row: np.ndarray) -> bool:
+        """Decide the next draft token from ``row``; True to draft one more."""
+        from ..core.sampling import position_uniforms, probabilities, sample_from, top_probability
+        from .adaptive import confidence_key
+
+        d, tokens = self.s.run.drafter, self.s.run.tokens
+        row = np.array(row, dtype=np.float32)
+        if len(self.out) >= min(self.k, self.s.dview.n_ctx - len(tokens) - 1):
+            return False
+        if self.win is not None:
+            self.win.apply(row, 0 if d.p_min > 0.0 else None)
+            if not np.isfinite(row.max()):
+                return False
+        p_top = top_probability(row)
+        if p_top < d.p_min:
+            return False
+        if self.sampled:
+            q = probabilities(row, d.params)
+            tok = sample_from(q, position_uniforms(d.seed, len(tokens) + len(self.out), 1, stream=1)[0, 0])
+        else:
+            tok = int(row.argmax())
+        if self.win is not None and not self.win.push(tok, row):
+            return False
+        if self.sampled:
+            self.probs.append(q)
+        self.out.append(tok)
+        self.keys.append(confidence_key(p_top))
+        return len(self.out) < self.k
+
+    def draft(self) -> Draft:
+        if self.win is not None:
+            self.win.close()
+        n_min = max(self.s.run.drafter.n_min, 1)
+        if len(self.out) < n_min:
+            return EMPTY_DRAFT
+        return Draft(self.out, np.stack(self.probs) if self.sampled else None, self.keys)
+
+
+def _cut(d: Draft, k: int) -> Draft:
+    if len(d) <= k:
+        return d
+    if k == 0:
+        return EMPTY_DRAFT
+    return Draft(d.tokens[:k], d.probs[:k] if d.probs is not None else None,
+                 d.keys[:k] if d.keys is not None else None)

@@ -1,0 +1,171 @@
+"""Many sequences at once (speculate/batched.py, llama/streams.py): exactness whatever shares
+the batch, joins and leaves, isolation of per-request settings, and the round's load-aware k."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from mars_local import Engine
+from mars_local.llama.runtime import Context, Model
+from mars_local.llama.streams import MultiContext
+from mars_local.speculate.batched import BatchCost, Scheduler, choose_window
+
+PROMPTS = [f"item {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 4) + "and" * (i % 3)
+           for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_target, tiny_draft):
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=512, n_threads=2, learned=False) as m, \
+            Engine(tiny_target, drafter="ngram", n_ctx=512, n_threads=2, learned=False) as g:
+        yield {"model": m, "ngram": g}
+
+
+def plain(eng, prompt, n):
+    return eng.generate(prompt, max_tokens=n, temperature=0, draft_max=0, ignore_eos=True).tokens
+
+
+# --------------------------------------------------------- the round's k (pure)
+@pytest.mark.parametrize("accepts, slope, k_max, expect", [
+    ([[0.9] * 8], 0.1, 8, 8),                 # one sequence, cheap rows, good drafts: draft all
+    ([[0.05] * 8], 0.5, 8, 0),                # bad drafts: plain decoding
+    ([[0.8] * 8] * 8, 1.0, 7, 0),             # 8 sequences on compute-bound rows: plain batched decoding
+    ([[0.8] * 8] * 2, 0.05, 8, 6),            # 2 sequences on a GPU-like curve: long windows (7 rows each)
+    ([[0.9] * 2, [0.9] * 2], 0.1, 8, 2),      # drafts of 2 tokens: a longer window gains nothing
+    ([[], []], 0.0, 8, 0),                    # nothing drafted
+])
+def test_choose_window(accepts, slope, k_max, expect):
+    costs = [1.0 + slope * (r - 1) for r in range(1, 65)]
+    assert choose_window(accepts, costs, k_max) == expect
+
+
+def test_the_round_shrinks_k_as_sequences_join():
+    costs = [1.0 + 0.25 * (r - 1) for r in range(1, 65)]  # a 2-core CPU: 8 rows cost ~3 rows
+    ks = [choose_window([[0.7] * 8] * n, costs, 63 // n) for n in (1, 2, 4, 8, 16)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] and ks[-1] == 0, ks
+
+
+def test_batch_cost_interpolates_between_timed_row_counts():
+    c = BatchCost(max_rows=8)
+    for rows, t in ((2, 0.2), (2, 0.2), (6, 0.6), (6, 0.6)):  # the first of each shape is not timed
+        c.observe(rows, t)
+    got = c.costs()
+    assert got[1] == pytest.approx(0.2) and got[5] == pytest.approx(0.6) and got[3] == pytest.approx(0.4)
+
+
+# ------------------------------------------------------- per-sequence streams
+@pytest.mark.parametrize("target", ["tiny_target", pytest.param("smollm2_q4km", marks=pytest.mark.slow)])
+def test_windows_of_many_sequences_equal_lone_windows_bit_for_bit(request, target):
+    m = Model(request.getfixturevalue(target), 0, exact_kernels=True)
+    rng = random.Random(0)
+    mc = MultiContext(m, 5, 256, n_threads=2)
+    lone = [Context(m, 256, n_threads=2) for _ in range(5)]
+    for s in range(5):
+        toks = [rng.randrange(m.n_vocab) for _ in range(rng.randint(2, 30))]
+        assert np.array_equal(mc.seq(s).eval(toks, 1), lone[s].eval(toks, 1))
+    for _ in range(12):
+        wins = [(s, [rng.randrange(m.n_vocab) for _ in range(rng.randint(1, 12))]) for s in range(5)]
+        for (s, w), rows in zip(wins, mc.decode_windows(wins)):
+            assert np.array_equal(rows, lone[s].eval(w, len(w))), s
+            keep = mc.seq(s).n_past - rng.randint(0, len(w) - 1)
+            mc.seq(s).truncate(keep)
+            lone[s].truncate(keep)
+    assert mc.n_decodes > 5  # windows over 64 rows were split
+    mc.close()
+    for c in lone:
+        c.close()
+
+
+# ------------------------------------------------------------- exactness
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+@pytest.mark.parametrize("n_parallel, n_prompts", [(1, 2), (3, 5), (8, 8)])
+def test_strict_greedy_of_every_sequence_equals_plain_greedy_alone(engines, kind, n_parallel, n_prompts):
+    eng = engines[kind]
+    lengths = [12 + 7 * i for i in range(n_prompts)]  # different lengths: sequences leave at different rounds
+    want = [plain(eng, p, n) for p, n in zip(PROMPTS, lengths)]
+    with_spec = Scheduler(eng, n_parallel)
+    try:
+        streams = [with_spec.submit(p, max_tokens=n, temperature=0, verify="strict", ignore_eos=True)
+                   for p, n in zip(PROMPTS, lengths)]
+        got = [[t for c in s for t in c.tokens] for s in streams]
+    finally:
+        with_spec.close()
+    assert got == want
+    assert sum(s.stats.n_accepted for s in streams) > 0 or kind == "ngram"  # the tiny draft agrees often
+
+
+def test_a_sequence_joining_mid_generation_and_one_leaving_early(engines):
+    eng = engines["model"]
+    want = [plain(eng, p, 30) for p in PROMPTS[:3]]
+    sch = Scheduler(eng, 3)
+    try:
+        a = sch.submit(PROMPTS[0], max_tokens=30, temperature=0, ignore_eos=True)
+        leaver = sch.submit(PROMPTS[5], max_tokens=200, temperature=0, ignore_eos=True)
+        for _ in range(4):
+            sch.step()
+        b = sch.submit(PROMPTS[1], max_tokens=30, temperature=0, ignore_eos=True)
+        sch.step()
+        next(leaver)
+        leaver.close()  # its client went away: the slot is free at once
+        assert sch.n_live == 2 and leaver.stats.stop_reason == "interrupted"
+        c = sch.submit(PROMPTS[2], max_tokens=30, temperature=0, ignore_eos=True)
+        got = [[t for ch in s for t in ch.tokens] for s in (a, b, c)]
+    finally:
+        sch.close()
+    assert got == want
+
+
+def test_stop_strings_and_limits_stay_with_their_request(engines):
+    eng = engines["ngram"]
+    alone = eng.generate(PROMPTS[1], max_tokens=40, temperature=0, ignore_eos=True)
+    stop = alone.text[10:14]
+    assert stop.strip()
+    sch = Scheduler(eng, 4)
+    try:
+        outs = sch.generate_many(PROMPTS[:4], max_tokens=40, temperature=0, ignore_eos=True)
+        s1 = sch.submit(PROMPTS[1], max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
+        s2 = sch.submit(PROMPTS[1], max_tokens=7, temperature=0, ignore_eos=True)
+        t1, t2 = "".join(c.text for c in s1), [t for c in s2 for t in c.tokens]
+    finally:
+        sch.close()
+    assert outs[1].text == alone.text
+    assert t1 == alone.text[: alone.text.index(stop)] and s1.stats.stop_reason == "stop"
+    assert t2 == alone.tokens[:7] and s2.stats.stop_reason == "length"
+
+
+def test_a_prompt_too_long_for_a_sequence_is_one_clear_error(engines):
+    from mars_local import MarsError
+
+    sch = Scheduler(engines["ngram"], 2, n_ctx_seq=64)
+    try:
+        with pytest.raises(MarsError, match="a sequence holds"):
+            per_seq = sch.mc.n_ctx  # llama.cpp rounds 64 up to 256
+            assert per_seq + 10 < engines["ngram"].n_ctx
+            sch.submit([5] * (per_seq + 10), max_tokens=4)  # fits the engine's context, not a sequence's
+        assert len(sch.generate_many(["hi"], max_tokens=3, temperature=0, ignore_eos=True)[0].tokens) == 3
+    finally:
+        sch.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["smollm2_q4km", "smollm2_f16"])
+def test_strict_greedy_of_8_sequences_on_smollm2_equals_plain_alone(request, smollm2, target):
+    """Real weights (a K-quant, whose kernels change above 64 rows, and F16), the bundled
+    Q4_1 as draft, 8 sequences: every sequence's tokens equal its lone plain greedy tokens."""
+    path = request.getfixturevalue(target)
+    prompts = [f"Question {i}: list {i + 2} animals and what they eat." for i in range(8)]
+    with Engine(path, smollm2, drafter="model", n_ctx=512, n_threads=2, learned=False) as eng:
+        want = [eng.generate(p, max_tokens=24 + 3 * i, temperature=0, draft_max=0).tokens
+                for i, p in enumerate(prompts)]
+        sch = Scheduler(eng, 8)
+        try:
+            streams = [sch.submit(p, max_tokens=24 + 3 * i, temperature=0, verify="strict", draft_max=8,
+                                  adaptive=False) for i, p in enumerate(prompts)]
+            got = [[t for c in s for t in c.tokens] for s in streams]
+        finally:
+            sch.close()
+    assert got == want
+    assert sum(s.stats.n_accepted for s in streams) > 0
