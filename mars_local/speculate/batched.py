@@ -171,7 +171,24 @@ class BatchStream(Iterator[Chunk]):
 
     @property
     def done(self) -> bool:
+        """Finished and every chunk read."""
         return self._seq.done and not self._seq.chunks
+
+    @property
+    def finished(self) -> bool:
+        """The sequence has ended (chunks may still be unread)."""
+        return self._seq.done
+
+    def take(self) -> list[Chunk]:
+        """The chunks made so far and not yet read, without driving the scheduler (a
+        server's worker steps it itself); raises the sequence's error once it has ended."""
+        s = self._seq
+        out = list(s.chunks)
+        s.chunks.clear()
+        if s.done and s.error is not None and not out:
+            err, s.error = s.error, None
+            raise err
+        return out
 
     def close(self) -> None:
         """Cancel: the sequence leaves before the next round (stop_reason "interrupted")."""

@@ -1,0 +1,136 @@
+"""One thread decodes up to ``--parallel`` requests together (continuous batching).
+
+:class:`BatchWorker` has the interface of :class:`~mars_local.server.worker.Worker`
+(the same :class:`Job` events, the same bounded queue and 503s) over a
+:class:`~mars_local.speculate.batched.Scheduler`: each loop it admits the requests
+waiting while a sequence slot is free (their prompts tokenized on this thread, as
+every llama.cpp call), runs one round for every live sequence, and hands each
+job the chunks its sequence made.  A job cancelled (its client went away) leaves
+before the next round and frees its slot; one request's failure ends only its own
+sequence.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import time
+
+from ..chat.tokens import TokenizingCancelled
+from ..core.errors import MarsError
+from ..speculate.batched import Scheduler
+from .requests import ApiError
+from .worker import Job, Worker
+
+__all__ = ["BatchWorker"]
+
+
+class BatchWorker(Worker):
+    """The generation thread over one engine, ``parallel`` sequences at a time."""
+
+    def __init__(self, engine, queue_size: int, parallel: int, on_done=None):
+        self.sched = Scheduler(engine, parallel)
+        self.parallel = parallel
+        self.active: dict[Job, object] = {}  # job -> its BatchStream
+        super().__init__(engine, queue_size, on_done)
+
+    @property
+    def n_running(self) -> int:
+        return len(self.active)
+
+    def stop(self, timeout: float = 5.0) -> bool:
+        for job in list(self.active):
+            job.cancel()
+        ok = super().stop(timeout)
+        if ok:
+            self.sched.close()
+        return ok
+
+    # ------------------------------------------------------------ the thread
+    def _serve(self) -> None:
+        stopping = False
+        while not (stopping and not self.active):
+            stopping = self._admit() or stopping
+            if self.active:
+                try:
+                    self.sched.step()
+                except BaseException as exc:  # never let the loop die: fail what runs
+                    print(f"mars serve: a round failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    for job in list(self.active):
+                        self._finish(job, "error", ("error", ApiError(500, f"generation failed: {exc}",
+                                                                      type="server_error")))
+                self._deliver()
+
+    def _admit(self) -> bool:
+        """Start waiting jobs while a slot is free; True once stop() was asked."""
+        while len(self.active) < self.parallel:
+            try:
+                job = self._q.get(block=not self.active)
+            except queue.Empty:
+                return False
+            if job is None:
+                return True
+            self._start(job)
+        return False
+
+    def _start(self, job: Job) -> None:
+        if job.cancelled or self._stopping.is_set():
+            self._done(job, "cancelled", ("error", ApiError(503, "the server is shutting down",
+                                                             type="server_error")) if self._stopping.is_set() else None)
+            return
+        job.t_start = time.monotonic()
+        try:
+            tokens = self._prompt(job)
+            stream = self.sched.submit(tokens, job.request.config)
+        except TokenizingCancelled:
+            self._done(job, "cancelled", None)
+            return
+        except ApiError as exc:
+            self._done(job, "rejected", ("error", exc))
+            return
+        except MarsError as exc:
+            self._done(job, "rejected", ("error", ApiError(400, str(exc))))
+            return
+        job.stats = stream.stats
+        job.emit("start", len(tokens))
+        self.active[job] = stream
+        self.running = job  # the latest started (health: something runs)
+
+    def _deliver(self) -> None:
+        for job, stream in list(self.active.items()):
+            try:
+                for chunk in stream.take():
+                    if job.t_first is None and (chunk.tokens or chunk.text):
+                        job.t_first = time.monotonic()
+                    job.emit("chunk", (chunk, self._pieces(chunk)))
+            except MarsError as exc:
+                self._finish(job, "error", ("error", ApiError(500, str(exc), type="server_error")))
+                continue
+            except Exception as exc:  # noqa: BLE001 - one request's failure
+                print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                self._finish(job, "error", ("error", ApiError(500, f"generation failed: {exc}", type="server_error")))
+                continue
+            if job.cancelled:
+                stream.close()
+                final = (("error", ApiError(503, "the server is shutting down", type="server_error"))
+                         if self._stopping.is_set() else None)
+                self._finish(job, "cancelled", final)
+            elif stream.finished:
+                self._finish(job, "ok", ("done", stream.stats))
+
+    def _finish(self, job: Job, outcome: str, final) -> None:
+        stream = self.active.pop(job, None)
+        if stream is not None and not stream.finished:
+            stream.close()
+        if self.running is job:
+            self.running = next(iter(self.active), None)
+        self._done(job, outcome, final)
+
+    def _done(self, job: Job, outcome: str, final) -> None:
+        if self._on_done is not None:  # before the last event: the metrics are current when it arrives
+            try:
+                self._on_done(job, outcome)
+            except Exception as exc:  # pragma: no cover - metrics must not stop the worker
+                print(f"mars serve: metrics: {exc}", file=sys.stderr)
+        if final is not None:
+            job.emit(*final)

@@ -1,0 +1,113 @@
+"""The server's batched worker (server/batch_worker.py): requests decoded together, each answer
+equal to its lone greedy answer, a cancelled request leaving the others whole, queue limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mars_local import Engine, GenerateConfig
+from mars_local.server.batch_worker import BatchWorker
+from mars_local.server.requests import ApiError, parse_completion
+from mars_local.server.worker import Job
+
+D = GenerateConfig.make(max_tokens=-1, temperature=0.0, verify="strict")  # lossless: equal to plain
+PROMPTS = [f"request {i}: " + "the quick brown fox " * (i % 3) for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft):
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=512, n_threads=2, learned=False) as eng:
+        yield eng
+
+
+async def collect(job: Job, limit: float = 60.0) -> tuple[list[int], str, object]:
+    """(tokens, the last event's kind, its value)."""
+    toks = []
+    while True:
+        kind, value = await asyncio.wait_for(job.events.get(), limit)
+        if kind == "chunk":
+            toks.extend(value[0].tokens)
+        elif kind in ("done", "error"):
+            return toks, kind, value
+
+
+def test_requests_decoded_together_each_equal_to_its_lone_answer(engine):
+    want = [engine.generate(p, max_tokens=20 + i, temperature=0, draft_max=0, ignore_eos=True).tokens
+            for i, p in enumerate(PROMPTS)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = BatchWorker(engine, queue_size=16, parallel=4)
+        try:
+            jobs = [Job(parse_completion({"prompt": p, "max_tokens": 20 + i, "ignore_eos": True}, D), loop)
+                    for i, p in enumerate(PROMPTS)]
+            for j in jobs:
+                w.submit(j)
+            return await asyncio.gather(*(collect(j) for j in jobs)), w.sched.rounds
+        finally:
+            assert w.stop(30)
+
+    results, rounds = asyncio.run(main())
+    assert [r[0] for r in results] == want
+    assert all(r[1] == "done" and r[2].stop_reason == "length" for r in results)
+    assert rounds < sum(len(x) for x in want)  # several sequences per round
+
+
+def test_a_cancelled_request_leaves_the_others_complete(engine):
+    want = [engine.generate(p, max_tokens=30, temperature=0, draft_max=0, ignore_eos=True).tokens for p in PROMPTS[:3]]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = BatchWorker(engine, queue_size=8, parallel=4)
+        try:
+            long = Job(parse_completion({"prompt": "go on", "max_tokens": 400, "ignore_eos": True}, D), loop)
+            jobs = [Job(parse_completion({"prompt": p, "max_tokens": 30, "ignore_eos": True}, D), loop)
+                    for p in PROMPTS[:3]]
+            w.submit(long)
+            for j in jobs:
+                w.submit(j)
+            kind, _ = await asyncio.wait_for(long.events.get(), 30)  # "start"
+            await asyncio.wait_for(long.events.get(), 30)  # a first chunk
+            long.cancel()
+            return await asyncio.gather(*(collect(j) for j in jobs)), long
+        finally:
+            assert w.stop(30)
+
+    results, long = asyncio.run(main())
+    assert [r[0] for r in results] == want
+    assert long.stats.stop_reason == "interrupted" and long.stats.n_generated < 400
+
+
+def test_a_full_queue_is_503_and_a_bad_request_only_fails_itself(engine):
+    def job(loop, prompt, n):
+        return Job(parse_completion({"prompt": prompt, "max_tokens": n, "ignore_eos": True}, D), loop)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = BatchWorker(engine, queue_size=1, parallel=2)
+        try:
+            long, other = job(loop, "go on", 300), job(loop, "and on", 300)
+            w.submit(long)
+            await asyncio.wait_for(long.events.get(), 30)  # started: the queue is empty again
+            w.submit(other)
+            await asyncio.wait_for(other.events.get(), 30)  # both slots busy now
+            w.submit(job(loop, "waits", 4))  # the one place in the queue
+            with pytest.raises(ApiError) as full:
+                w.submit(job(loop, "refused", 4))
+            too_long, ok = job(loop, [5] * 600, 4), job(loop, "hi", 4)
+            long.cancel()
+            other.cancel()
+            await asyncio.sleep(0.5)
+            w.submit(too_long)
+            bad = await collect(too_long)
+            w.submit(ok)
+            return full.value, bad, await collect(ok)
+        finally:
+            assert w.stop(30)
+
+    full, (_, k1, v1), (t2, k2, _) = asyncio.run(main())
+    assert full.status == 503 and full.code == "queue_full"
+    assert k1 == "error" and isinstance(v1, ApiError) and v1.status == 400 and v1.code == "context_length_exceeded"
+    assert k2 == "done" and len(t2) == 4
