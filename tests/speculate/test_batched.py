@@ -169,3 +169,38 @@ def test_strict_greedy_of_8_sequences_on_smollm2_equals_plain_alone(request, smo
             sch.close()
     assert got == want
     assert sum(s.stats.n_accepted for s in streams) > 0
+
+
+def _two_sample_p(a: list, b: list) -> float:
+    """Chi-square two-sample test of two lists of outcomes (rare outcomes pooled)."""
+    from collections import Counter
+
+    from scipy.stats import chi2_contingency
+
+    ca, cb = Counter(a), Counter(b)
+    common = [k for k in set(ca) | set(cb) if ca[k] + cb[k] >= 10]
+    rows = [[ca[k] for k in common] + [sum(v for k, v in ca.items() if k not in common)],
+            [cb[k] for k in common] + [sum(v for k, v in cb.items() if k not in common)]]
+    if rows[0][-1] + rows[1][-1] == 0:
+        rows = [r[:-1] for r in rows]
+    return float(chi2_contingency(rows)[1])
+
+
+@pytest.mark.parametrize("verify", ["strict", "mars"])
+def test_sampling_in_a_batch_has_the_lone_distribution(engines, verify):
+    """T = 1, fixed k: 300 seeds alone and 300 seeds sharing batches of 6; the 2nd and 3rd tokens
+    (drawn through verification) have the same distribution (two-sample chi-square)."""
+    eng = engines["model"]
+    kw = dict(max_tokens=3, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, verify=verify, draft_max=4,
+              adaptive=False, ignore_eos=True)
+    seeds = range(300)
+    lone = [tuple(eng.generate(PROMPTS[2], seed=s, **kw).tokens[1:]) for s in seeds]
+    sch = Scheduler(eng, 6)
+    try:
+        streams = [sch.submit(PROMPTS[2], seed=1000 + s, **kw) for s in seeds]
+        batched = [tuple([t for c in st for t in c.tokens][1:]) for st in streams]
+    finally:
+        sch.close()
+    for pos in (0, 1):
+        p = _two_sample_p([x[pos] for x in lone], [x[pos] for x in batched])
+        assert p > 1e-3, (pos, p)
