@@ -51,7 +51,7 @@ from .controls import Controls, StopScanner
 from .drafters import EMPTY_DRAFT, Draft
 from .grammar import GrammarState
 
-__all__ = ["Scheduler", "BatchStream", "choose_window", "BatchCost"]
+__all__ = ["Scheduler", "BatchStream", "choose_window", "BatchCost", "auto_parallel"]
 
 CALIBRATION_ROWS = (1, 4, 16, 64)
 
@@ -132,6 +132,22 @@ class BatchCost:
             slope = max(0.0, (seen[hi] - seen[lo]) / (hi - lo))
             out.append(max(seen[lo] + slope * (r - lo), 1e-9))
         return out
+
+
+def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
+    """The default --parallel: ``cap`` sequences (8: on a CPU a forward of 8 rows costs about
+    3 single rows, and beyond 8 sequences the 64-row invariant bound leaves no room for
+    drafts), fewer when their KV caches (target and draft) would take over half the free memory."""
+    from ..llama.runtime import _available_memory, kv_cache_bytes
+
+    n_ctx_seq = n_ctx_seq or engine.n_ctx
+    per_seq = kv_cache_bytes(engine.target, n_ctx_seq)
+    if engine.draft_model is not None:
+        per_seq += kv_cache_bytes(engine.draft_model, n_ctx_seq)
+    avail = None if engine.target.offloaded else _available_memory()
+    if avail is None or per_seq <= 0:
+        return cap
+    return max(1, min(cap, int(avail * 0.5 // per_seq)))
 
 
 # ------------------------------------------------------------ sequences
@@ -279,8 +295,7 @@ class Scheduler:
         self._admit()
         if not self._live:
             return False
-        if self._prefill_one():
-            pass
+        self._prefill()
         decoding = [s for s in self._live.values() if not s.pending and not s.done]
         if decoding:
             self._round(decoding)
@@ -306,19 +321,22 @@ class Scheduler:
             s.t_start = time.perf_counter()
             self._live[slot] = s
 
-    def _prefill_one(self) -> bool:
-        """One n_batch chunk of the first joining sequence's prompt (its own decode)."""
-        for s in self._live.values():
-            if s.pending and not s.done:
+    def _prefill(self) -> None:
+        """Joining sequences' prompts, about n_batch rows per round in all, each chunk in a decode
+        of its own and cut where a lone run cuts it (every n_batch tokens from the start)."""
+        budget = self.mc.n_batch
+        for s in list(self._live.values()):
+            while s.pending and not s.done and budget > 0:
                 chunk, s.pending = s.pending[: self.mc.n_batch], s.pending[self.mc.n_batch:]
+                budget -= len(chunk)
                 self._guard(s, lambda: s.view.eval(chunk, n_out=0))
                 s.run.stats.n_prompt_evaluated += len(chunk)
                 if not s.pending and not s.done:
                     s.run.stats.time_prompt_target_s = time.perf_counter() - s.t_start
                     self._guard(s, lambda: s.run.drafter.begin(s.run.tokens))
                     s.run.stats.time_prompt_s = time.perf_counter() - s.t_start
-                return True
-        return False
+            if budget <= 0:
+                return
 
     def _calibrate(self, s: _Seq) -> None:
         """Time forwards of a few row counts once, on top of a live sequence's cells
