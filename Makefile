@@ -13,7 +13,8 @@ PROMPT  ?= Explain speculative decoding in two sentences.
 PURE_VENV  := .cache/venv-pure
 PURE_TESTS := tests/test_imports.py tests/llama/test_gguf_file.py tests/core/test_verify.py tests/core/test_verify_stats.py \
               tests/speculate/test_adaptive.py tests/speculate/test_learned.py tests/speculate/test_drafters.py tests/speculate/test_controls_pure.py \
-              tests/chat/test_chat_input.py tests/server/test_server_requests.py tests/core/test_stats.py
+              tests/chat/test_chat_input.py tests/server/test_server_requests.py tests/core/test_stats.py \
+              tests/core/test_defaults.py
 
 .PHONY: install run test test-pure bench clean distclean rpc-server
 

@@ -3,16 +3,15 @@ one generation's :class:`Sample` and the :class:`BenchResult`."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..core.choices import BENCH_DRAFTERS, choice, drafter_for
+from ..core.defaults import DEFAULTS, check
 from ..core.errors import MarsError
-from ..core.config import GenerateConfig
-from ..core.sampling import SamplingParams
 from .prompts import BenchPrompt
 
-DEFAULT_THETAS = (0.85, 0.9, 0.95)
+DEFAULT_THETAS = DEFAULTS.thetas_bench
 PEER_LCP = "llama-cpp-python-prompt-lookup"
 PEER_SPEC = "llama.cpp-speculative-simple"
 PEER_COMPLETION = "llama.cpp-completion"
@@ -54,24 +53,24 @@ class BenchSettings:
     draft: Path | None = None
     drafters: tuple[str, ...] = ("ngram",)
     thetas: tuple[float, ...] = DEFAULT_THETAS
-    draft_max: int = GenerateConfig.draft_max
+    draft_max: int = DEFAULTS.draft_max
     adaptive_modes: tuple[bool, ...] = (False, True)
     fixed_ks: tuple[int, ...] | None = None  # draft lengths of the fixed runs (default: draft_max)
     repeats: int = 1  # generations per (configuration, prompt); the fastest one is kept
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = SamplingParams.top_k
-    top_p: float = SamplingParams.top_p
-    min_p: float = SamplingParams.min_p
-    seed: int = 0
-    n_ctx: int = 4096
+    max_tokens: int = DEFAULTS.max_tokens_bench
+    temperature: float = DEFAULTS.temperature
+    top_k: int = DEFAULTS.top_k
+    top_p: float = DEFAULTS.top_p
+    min_p: float = DEFAULTS.min_p
+    seed: int = DEFAULTS.seed_bench  # sampling runs compare configurations on the same draws
+    n_ctx: int = DEFAULTS.n_ctx
     n_gpu_layers: int | None = None
     n_gpu_layers_draft: int | None = None
     n_threads: int | None = None
     rpc: tuple[str, ...] = ()  # llama.cpp RPC servers for the target's layers
     rpc_draft: bool = False
     tensor_split: tuple[float, ...] | None = None
-    ngram_max: int = 3
+    ngram_max: int = DEFAULTS.ngram_max
     peers: bool = True
     llama_cpp_bin: Path | None = None
     peer_ks: tuple[int, ...] | None = None  # llama-speculative-simple's draft lengths (default: draft_max)
@@ -81,18 +80,19 @@ class BenchSettings:
     notes: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
+        """Every setting by its rule (the table's, core.defaults: a MarsError naming the field), then
+        what only a benchmark needs."""
         if not self.drafters:
             raise MarsError("no drafter to benchmark")
         for d in self.drafters:
-            if d not in ("ngram", "model"):
-                raise MarsError(f"--drafter must be ngram or model, got {d!r}")
-        if "model" in self.drafters and self.draft is None:
-            raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)")
+            choice(d, BENCH_DRAFTERS, "drafter")
+        if "model" in self.drafters:
+            drafter_for("model", self.draft is not None)
         if not self.thetas:
             raise MarsError("give at least one θ")
         for t in self.thetas:
-            if not (isinstance(t, (int, float)) and math.isfinite(t) and 0.0 < t <= 1.0):
-                raise MarsError(f"theta must be in (0, 1], got {t}")
+            check("theta", t)
+        check("draft_max", self.draft_max)
         if self.draft_max < 1:
             raise MarsError(f"--draft-max must be >= 1 for a benchmark of speculative decoding, got {self.draft_max}")
         for k in self.ks():
@@ -103,11 +103,12 @@ class BenchSettings:
                 raise MarsError(f"a draft length of llama.cpp's speculative decoding must be in 1..64, got {k}")
         if self.repeats < 1:
             raise MarsError(f"--repeat must be >= 1, got {self.repeats}")
-        if self.max_tokens < 1:
-            raise MarsError(f"the number of tokens to generate must be >= 1, got {self.max_tokens}")
-        if self.n_threads is not None and self.n_threads < 1:
-            raise MarsError(f"--threads must be >= 1, got {self.n_threads}")
+        check("max_tokens_bench", self.max_tokens)
+        check("n_threads", self.n_threads)
+        check("n_ctx", self.n_ctx)
         self.sampling()  # validates temperature, top-k/p, min-p
+        if self.temperature > 0 and self.seed < 0:
+            raise MarsError("a sampling benchmark needs a fixed seed (-s N with N >= 0)")
 
     def ks(self) -> tuple[int, ...]:
         """Draft lengths of the fixed-k runs."""
@@ -125,7 +126,7 @@ class BenchSettings:
 
 def json_theta(s: BenchSettings) -> float:
     """The θ of the --format-json rows: the default θ when it is benchmarked, else the first."""
-    return float(GenerateConfig.theta if GenerateConfig.theta in s.thetas else s.thetas[0])
+    return float(DEFAULTS.theta if DEFAULTS.theta in s.thetas else s.thetas[0])
 
 
 def json_k(s: BenchSettings) -> int | str:

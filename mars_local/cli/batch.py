@@ -8,6 +8,7 @@ parses flags, renders progress and warnings, and writes the output lines.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -52,7 +53,7 @@ def batch(
     A record with a bad field is skipped with a warning naming the line and the
     field, and the exit status is then 3 (--strict: an error instead).
     """
-    opt.check_n_predict(n_predict)
+    opt.check_flag("max_tokens", n_predict)
     choice = gen.choice()
     base = gen.config(choice, n_predict)
     name, lines = B.read_input(input)
@@ -77,6 +78,28 @@ def _to_stdout(line: str) -> None:
         raise B.output_error("write", "standard output", exc) from None
 
 
+@dataclass
+class _Tally:
+    """What the run has done so far (records skipped and written, tokens, acceptance)."""
+
+    skipped: int = 0
+    written: int = 0
+    tokens: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    elapsed: float = 0.0
+
+    def add(self, s) -> str:
+        """Count a written record's stats; the progress line's rate."""
+        self.written += 1
+        self.tokens += s.n_generated
+        self.elapsed += s.time_total_s
+        self.accepted += s.n_accepted
+        self.drafted += s.n_drafted
+        acc = f", acceptance {self.accepted / self.drafted:.0%}" if self.drafted else ""
+        return f"{self.tokens / max(self.elapsed, 1e-9):.1f} tok/s{acc}"
+
+
 def _batch(output: str, lock, name: str, lines: list, base, gen, choice, strict: bool) -> None:
     """The run after the input is read and OUTPUT locked (``lock`` None: standard output)."""
     to_stdout = lock is None
@@ -90,74 +113,71 @@ def _batch(output: str, lock, name: str, lines: list, base, gen, choice, strict:
         raise MarsError(problems[0][1])
     for _, msg in problems:
         echo(f"warning: skipped {msg}", err=True)
-    skipped = len(problems)
-
-    def finish(written: int) -> None:
-        if skipped:
-            where = "" if to_stdout else f" to {output}"
-            echo(f"warning: {skipped} record(s) skipped (see above); {written} written{where}", err=True)
-            raise typer.Exit(B.EXIT_SKIPPED)
-
+    tally = _Tally(skipped=len(problems))
     todo = B.pending(records, state.ids)
     if not records:
         echo(f"no usable record in {name}", err=True)
-        finish(0)
+        _finish(tally, output, to_stdout)
     if not todo:
         echo(f"nothing to do: all {len(records)} record(s) are already in {output}", err=True)
-        finish(0)
+        _finish(tally, output, to_stdout)
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    written = tokens = accepted = drafted = 0
-    elapsed = 0.0
     try:
-        eng = gen.engine(choice)
-        writer = None
-        try:
-            if not to_stdout:
-                state = B.scan_output(Path(output))  # again: the model load took a while
-                note = state.apply()
-                if note:
-                    echo(f"note: {note}", err=True)
-                writer = B.RecordWriter(lock)
-            console = Console(stderr=True)  # standard output is for the records (-o -) or a pipe
-            with Progress(
-                TextColumn("[bold]batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
-                TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal,
-            ) as progress:
-                task = progress.add_task("batch", total=len(todo), rate="")
-                for res in B.run_batch(eng, todo, state.ids):
-                    if res.error is not None:
-                        if strict:
-                            raise MarsError(f"line {res.record.line_no}: {res.error}")
-                        echo(f"warning: skipped line {res.record.line_no}: {res.error}", err=True)
-                        skipped += 1
-                    if res.line is None:
-                        progress.advance(task)
-                        continue
-                    if writer is None:
-                        _to_stdout(res.line)
-                    else:
-                        writer.write(res.line)  # whole, flushed and synced, or an error naming OUTPUT
-                    written += 1
-                    s = res.stats
-                    tokens += s.n_generated
-                    elapsed += s.time_total_s
-                    accepted += s.n_accepted
-                    drafted += s.n_drafted
-                    acc = f", acceptance {accepted / drafted:.0%}" if drafted else ""
-                    progress.update(task, advance=1, rate=f"{tokens / max(elapsed, 1e-9):.1f} tok/s{acc}")
-        finally:
-            if writer is not None:
-                writer.close()
-            eng.close()
+        _generate(output, lock, todo, state, gen, choice, strict, tally)
     except KeyboardInterrupt:
         if to_stdout:
-            msg = f"interrupted: {written}/{len(todo)} records written to standard output"
+            msg = f"interrupted: {tally.written}/{len(todo)} records written to standard output"
         else:
-            done = len(records) - len(todo) + written
+            done = len(records) - len(todo) + tally.written
             msg = f"interrupted: {done}/{len(records)} records written to {output}; rerun the same command to resume"
         echo(msg, err=True)
         raise typer.Exit(130) from None
-    finish(written)
+    _finish(tally, output, to_stdout)
+
+
+def _finish(tally: _Tally, output: str, to_stdout: bool) -> None:
+    """Exit 3 (EXIT_SKIPPED) with a summary line when records were skipped."""
+    if tally.skipped:
+        where = "" if to_stdout else f" to {output}"
+        echo(f"warning: {tally.skipped} record(s) skipped (see above); {tally.written} written{where}", err=True)
+        raise typer.Exit(B.EXIT_SKIPPED)
+
+
+def _generate(output: str, lock, todo: list, state, gen, choice, strict: bool, tally: _Tally) -> None:
+    """Open the engine and write each pending record's line as it is generated, with a progress bar."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    eng = gen.engine(choice)
+    writer = None
+    try:
+        if lock is not None:
+            state = B.scan_output(Path(output))  # again: the model load took a while
+            note = state.apply()
+            if note:
+                echo(f"note: {note}", err=True)
+            writer = B.RecordWriter(lock)
+        console = Console(stderr=True)  # standard output is for the records (-o -) or a pipe
+        with Progress(
+            TextColumn("[bold]batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal,
+        ) as progress:
+            task = progress.add_task("batch", total=len(todo), rate="")
+            for res in B.run_batch(eng, todo, state.ids):
+                if res.error is not None:
+                    if strict:
+                        raise MarsError(f"line {res.record.line_no}: {res.error}")
+                    echo(f"warning: skipped line {res.record.line_no}: {res.error}", err=True)
+                    tally.skipped += 1
+                if res.line is None:
+                    progress.advance(task)
+                    continue
+                if writer is None:
+                    _to_stdout(res.line)
+                else:
+                    writer.write(res.line)  # whole, flushed and synced, or an error naming OUTPUT
+                progress.update(task, advance=1, rate=tally.add(res.stats))
+    finally:
+        if writer is not None:
+            writer.close()
+        eng.close()

@@ -14,13 +14,11 @@ from typing import List, Optional
 import typer
 
 from . import flags as opt
-from ..core.choices import DRAFTERS
+from ..core.choices import BENCH_DRAFTERS, choice
+from ..core.defaults import DEFAULTS, check
 from ..core.errors import MarsError
-from ..core.config import GenerateConfig
 from ..llama.rpc import parse_endpoints, parse_tensor_split
 from ..models.registry import bench_drafters, choose_models
-
-BENCH_DRAFTERS = tuple(sorted(set(DRAFTERS) - {"none"}, reverse=True))  # ngram, model (plain always runs)
 
 
 def _split(value: Optional[str]) -> list[str]:
@@ -36,7 +34,7 @@ def parse_thetas(value: str) -> tuple[float, ...]:
         except ValueError:
             raise MarsError(f"--thetas: {part!r} is not a number") from None
         try:
-            GenerateConfig.make(theta=t)  # the range of θ
+            check("theta", t)  # the range of θ
         except MarsError as exc:
             raise MarsError(f"--thetas: {exc}") from None
         out.append(t)
@@ -58,32 +56,67 @@ def parse_ks(value: str, flag: str = "--fixed-k") -> tuple[int, ...]:
     return tuple(dict.fromkeys(out))
 
 
+# `mars bench`'s own options (the shared ones are mars_local.cli.flags')
+PAIR = typer.Option(None, "--pair", help="A models.yaml entry (see `mars models`).")
+DRAFTER = typer.Option(
+    None, "--drafter", help="Benchmark only this drafter: ngram or model (default: the pair's, plus -md's)."
+)
+PROMPTS = typer.Option(
+    None, "--prompts", metavar="FILE.jsonl",
+    help="JSONL prompt file (repeatable); default: the built-in set (mars_local/bench/prompts).",
+)
+CATEGORIES = typer.Option(None, "--categories", help="Comma-separated categories to keep.")
+N_PREDICT = typer.Option(DEFAULTS.max_tokens_bench, "-n", "--n-predict", help="Tokens to generate per prompt.")
+THETAS = typer.Option(
+    None, "--thetas", "--theta",
+    help=f"Comma-separated MARS thresholds (default: {','.join(map(str, DEFAULTS.thetas_bench))}; --quick: the pair's).",
+)
+DRAFT_MAX = typer.Option(
+    None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
+    help="Draft length k of fixed runs, the cap of adaptive runs (default: the pair's).",
+)
+FIXED_K = typer.Option(
+    None, "--fixed-k", metavar="K1,K2,...",
+    help="Draft lengths of the fixed-k runs (default: --draft-max), e.g. 1,2,4 to find the best fixed k.",
+)
+REPEAT = typer.Option(1, "--repeat", help="Generations per configuration and prompt; the fastest counts.")
+SEED = typer.Option(DEFAULTS.seed_bench, "-s", "--seed", help="Seed of sampling runs (--temp > 0).")
+QUICK = typer.Option(False, "--quick", help="Smoke run: 1 prompt per category, 16 tokens, one θ.")
+PER_CATEGORY = typer.Option(
+    None, "--per-category", metavar="N", help="Use only the first N prompts of each category."
+)
+PEER_K = typer.Option(
+    None, "--peer-k", metavar="K1,K2,...",
+    help="Draft lengths of llama.cpp's llama-speculative-simple runs (default: --draft-max); its best is the reference.",
+)
+PEERS = typer.Option(True, "--peers/--no-peers", help="Also run llama-cpp-python's prompt-lookup decoding.")
+LLAMA_CPP_BIN = typer.Option(
+    None, "--llama-cpp-bin", help="Folder with llama.cpp's llama-speculative-simple and llama-completion."
+)
+FORMAT_JSON = typer.Option(
+    False, "--format-json",
+    help=f"Also run plain decoding and one MARS configuration per drafter (θ {DEFAULTS.theta} or the first θ, "
+    "adaptive k) constrained by the JSON grammar (as --format json): the grammar's cost in tokens/s and τ.",
+)
+JSON_PATH = typer.Option(None, "--json", help="Write the results as JSON to this file.")
+PLOT_PATH = typer.Option(None, "--plot", help="Write a PNG of speedup and quality vs θ.")
+_OWN = {"max_tokens_bench": N_PREDICT, "draft_max": DRAFT_MAX, "seed": SEED, "drafter": DRAFTER}
+
+
 def bench(
-    pair: Optional[str] = typer.Option(None, "--pair", help="A models.yaml entry (see `mars models`)."),
+    pair: Optional[str] = PAIR,
     model: Optional[str] = opt.MODEL,
     model_draft: Optional[str] = opt.MODEL_DRAFT,
-    drafter: Optional[str] = typer.Option(
-        None, "--drafter", help="Benchmark only this drafter: ngram or model (default: the pair's, plus -md's)."
-    ),
-    prompts: Optional[List[Path]] = typer.Option(
-        None, "--prompts", metavar="FILE.jsonl", help="JSONL prompt file (repeatable); default: the built-in set (mars_local/bench/prompts)."
-    ),
-    categories: Optional[str] = typer.Option(None, "--categories", help="Comma-separated categories to keep."),
-    n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate per prompt."),
-    thetas: Optional[str] = typer.Option(
-        None, "--thetas", "--theta", help="Comma-separated MARS thresholds (default: 0.85,0.9,0.95; --quick: the pair's)."
-    ),
-    draft_max: Optional[int] = typer.Option(
-        None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
-        help="Draft length k of fixed runs, the cap of adaptive runs (default: the pair's).",
-    ),
-    fixed_k: Optional[str] = typer.Option(
-        None, "--fixed-k", metavar="K1,K2,...",
-        help="Draft lengths of the fixed-k runs (default: --draft-max), e.g. 1,2,4 to find the best fixed k.",
-    ),
-    repeat: int = typer.Option(1, "--repeat", help="Generations per configuration and prompt; the fastest counts."),
+    drafter: Optional[str] = DRAFTER,
+    prompts: Optional[List[Path]] = PROMPTS,
+    categories: Optional[str] = CATEGORIES,
+    n_predict: int = N_PREDICT,
+    thetas: Optional[str] = THETAS,
+    draft_max: Optional[int] = DRAFT_MAX,
+    fixed_k: Optional[str] = FIXED_K,
+    repeat: int = REPEAT,
     temp: float = opt.TEMP,
-    seed: int = typer.Option(0, "-s", "--seed", help="Seed of sampling runs (--temp > 0)."),
+    seed: int = SEED,
     top_k: int = opt.TOP_K,
     top_p: float = opt.TOP_P,
     min_p: float = opt.MIN_P,
@@ -94,106 +127,133 @@ def bench(
     rpc: Optional[str] = opt.RPC,
     rpc_draft: bool = opt.RPC_DRAFT,
     tensor_split: Optional[str] = opt.TENSOR_SPLIT,
-    quick: bool = typer.Option(False, "--quick", help="Smoke run: 1 prompt per category, 16 tokens, one θ."),
-    per_category: Optional[int] = typer.Option(
-        None, "--per-category", metavar="N", help="Use only the first N prompts of each category."
-    ),
-    peer_k: Optional[str] = typer.Option(
-        None, "--peer-k", metavar="K1,K2,...",
-        help="Draft lengths of llama.cpp's llama-speculative-simple runs (default: --draft-max); its best is the reference.",
-    ),
-    peers: bool = typer.Option(True, "--peers/--no-peers", help="Also run llama-cpp-python's prompt-lookup decoding."),
-    llama_cpp_bin: Optional[Path] = typer.Option(
-        None, "--llama-cpp-bin", help="Folder with llama.cpp's llama-speculative-simple and llama-completion."
-    ),
-    format_json: bool = typer.Option(
-        False, "--format-json",
-        help="Also run plain decoding and one MARS configuration per drafter (θ 0.9 or the first θ, adaptive k) "
-        "constrained by the JSON grammar (as --format json): the grammar's cost in tokens/s and τ.",
-    ),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON to this file."),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG of speedup and quality vs θ."),
+    quick: bool = QUICK,
+    per_category: Optional[int] = PER_CATEGORY,
+    peer_k: Optional[str] = PEER_K,
+    peers: bool = PEERS,
+    llama_cpp_bin: Optional[Path] = LLAMA_CPP_BIN,
+    format_json: bool = FORMAT_JSON,
+    json_path: Optional[Path] = JSON_PATH,
+    plot_path: Optional[Path] = PLOT_PATH,
 ) -> None:
     """Benchmark plain, strict and MARS decoding (speed and quality) on a prompt set."""
-    from rich.console import Console
+    flags = dict(locals())  # every option by name, for the steps below
+    with opt.flag_errors(**_OWN):
+        settings, prompt_list = _plan(flags)
+    _check_outputs(settings, json_path, plot_path)
+    result, unscored = _run(settings, prompt_list)
+    _report(result, settings, prompt_list, unscored, json_path, plot_path)
 
+
+def _plan(f: dict):
+    """The validated BenchSettings and prompts of the command's flags ``f`` (nothing is loaded)."""
     from .. import bench as B
 
-    theta_list = parse_thetas(thetas) if thetas is not None else None
-    cats = _split(categories)
-    prompt_list = B.load_prompts(prompts, cats or None)
-    if drafter is not None and drafter not in BENCH_DRAFTERS:
-        raise MarsError(f"--drafter must be {' or '.join(BENCH_DRAFTERS)}, got {drafter!r}")
-    choice = choose_models(model, model_draft, drafter, pair=pair)
-    drafters = bench_drafters(choice, drafter)
-    label = choice.label if choice.pair is not None else Path(choice.label).name
-    recommended = opt.make_config(choice)  # the pair's θ and k, or the defaults
-    if per_category is not None:
-        if per_category < 1:
-            raise MarsError(f"--per-category must be >= 1, got {per_category}")
-        prompt_list = B.quick_subset(prompt_list, per_category)
-    if quick:
+    theta_list = parse_thetas(f["thetas"]) if f["thetas"] is not None else None
+    cats = _split(f["categories"])
+    prompt_list = B.load_prompts(f["prompts"], cats or None)
+    if f["drafter"] is not None:
+        choice(f["drafter"], BENCH_DRAFTERS, "drafter")
+    models = choose_models(f["model"], f["model_draft"], f["drafter"], pair=f["pair"])
+    recommended = opt.make_config(models)  # the pair's θ and k, or the defaults
+    n_predict = f["n_predict"]
+    if f["per_category"] is not None:
+        if f["per_category"] < 1:
+            raise MarsError(f"--per-category must be >= 1, got {f['per_category']}")
+        prompt_list = B.quick_subset(prompt_list, f["per_category"])
+    if f["quick"]:
         prompt_list = B.quick_subset(prompt_list, 1)
         n_predict = min(n_predict, 16)
         theta_list = (theta_list or (recommended.theta,))[:1]
     settings = B.BenchSettings(
-        target=choice.target, draft=choice.draft, drafters=drafters, thetas=theta_list or B.DEFAULT_THETAS,
-        draft_max=draft_max if draft_max is not None else recommended.draft_max, max_tokens=n_predict,
-        fixed_ks=parse_ks(fixed_k) if fixed_k is not None else None, repeats=repeat,
-        temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, n_ctx=ctx_size,
-        n_gpu_layers=opt.gpu_layers(ngl, "-ngl"), n_gpu_layers_draft=opt.gpu_layers(ngld, "-ngld"), n_threads=threads,
-        peers=peers, llama_cpp_bin=llama_cpp_bin, label=label,
-        peer_ks=parse_ks(peer_k, "--peer-k") if peer_k is not None else None, format_json=format_json,
-        rpc=parse_endpoints(rpc) if rpc is not None else (), rpc_draft=rpc_draft,
-        tensor_split=parse_tensor_split(tensor_split),
+        target=models.target, draft=models.draft, drafters=bench_drafters(models, f["drafter"]),
+        thetas=theta_list or B.DEFAULT_THETAS,
+        draft_max=f["draft_max"] if f["draft_max"] is not None else recommended.draft_max, max_tokens=n_predict,
+        fixed_ks=parse_ks(f["fixed_k"]) if f["fixed_k"] is not None else None, repeats=f["repeat"],
+        temperature=f["temp"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"], seed=f["seed"],
+        n_ctx=f["ctx_size"], n_gpu_layers=opt.gpu_layers(f["ngl"], opt.flag_as_typed("ngl")),
+        n_gpu_layers_draft=opt.gpu_layers(f["ngld"], opt.flag_as_typed("ngld")), n_threads=f["threads"], peers=f["peers"],
+        llama_cpp_bin=f["llama_cpp_bin"], label=models.label if models.pair is not None else Path(models.label).name,
+        peer_ks=parse_ks(f["peer_k"], "--peer-k") if f["peer_k"] is not None else None,
+        format_json=f["format_json"], rpc=parse_endpoints(f["rpc"]) if f["rpc"] is not None else (),
+        rpc_draft=f["rpc_draft"], tensor_split=parse_tensor_split(f["tensor_split"]),
     )
     settings.validate()
-    if temp > 0 and seed < 0:
-        raise MarsError("a sampling benchmark needs a fixed seed (-s N with N >= 0)")
-    if llama_cpp_bin is not None:
-        B.find_llama_cpp_binaries(llama_cpp_bin)  # fail before any model is loaded
+    return settings, prompt_list
+
+
+def _check_outputs(settings, json_path: Optional[Path], plot_path: Optional[Path]) -> None:
+    """What the run needs besides the models, checked before any model is loaded."""
+    from .. import bench as B
+
+    if settings.llama_cpp_bin is not None:
+        B.find_llama_cpp_binaries(settings.llama_cpp_bin)
     for flag, path in (("--json", json_path), ("--plot", plot_path)):
         if path is not None:
             B.check_writable(path, flag)  # before the run, not after it
     if plot_path is not None:
-        B.check_plot()  # the bench extra, before any model is loaded
+        B.check_plot()  # the bench extra
+
+
+def _run(settings, prompt_list):
+    """Run the benchmark with progress on stderr (a bar on a terminal, else a line every ~10 %);
+    (the result, the warning about unscored prompts shown before it)."""
+    from rich.console import Console
+
+    from .. import bench as B
 
     err = Console(stderr=True)
     unscored = B.unscored_note(B.unavailable_metrics(p.metric for p in prompt_list if p.scored))
     if unscored:
         err.print(f"warning: {unscored}", highlight=False, markup=False, soft_wrap=True)
-    n_runs = len(B.plan_runs(settings))
+    n_runs, s = len(B.plan_runs(settings)), settings
     err.print(
-        f"mars bench: {label}, drafters {', '.join(drafters)}, {len(prompt_list)} prompts × {n_runs} configurations, "
-        f"{n_predict} tokens, {'greedy' if temp == 0 else f'T={temp:g} seed {seed}'}",
+        f"mars bench: {s.label}, drafters {', '.join(s.drafters)}, {len(prompt_list)} prompts × {n_runs} "
+        f"configurations, {s.max_tokens} tokens, "
+        f"{'greedy' if s.temperature == 0 else f'T={s.temperature:g} seed {s.seed}'}",
         highlight=False, soft_wrap=True,
     )
-    bar = None
+    bar, progress = _progress(err, n_runs * len(prompt_list))
+    try:
+        return B.run_bench(prompt_list, settings, progress), unscored
+    finally:
+        if bar is not None:
+            bar.stop()
+
+
+def _progress(err, total: int):
+    """(a started rich progress bar or None, the progress callback of run_bench)."""
     if sys.stderr is not None and sys.stderr.isatty():
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                        TimeElapsedColumn(), TimeRemainingColumn(), console=err, transient=True)
-        task = bar.add_task("benchmarking", total=n_runs * len(prompt_list))
+        task = bar.add_task("benchmarking", total=total)
 
-        def progress(done, total, what):
+        def on_bar(done, total, what):
             bar.update(task, completed=done, description=f"{what:<28.28}")
 
         bar.start()
-    else:  # a log, not a terminal: a line every ~10 %
-        step = max(1, (n_runs * len(prompt_list)) // 10)
+        return bar, on_bar
+    step = max(1, total // 10)  # a log, not a terminal: a line every ~10 %
 
-        def progress(done, total, what):
-            if done % step == 0 or done == total:
-                err.print(f"  {done}/{total} generations", highlight=False, soft_wrap=True)
+    def on_line(done, total, what):
+        if done % step == 0 or done == total:
+            err.print(f"  {done}/{total} generations", highlight=False, soft_wrap=True)
 
-    try:
-        result = B.run_bench(prompt_list, settings, progress)
-    finally:
-        if bar is not None:
-            bar.stop()
+    return None, on_line
+
+
+def _report(result, settings, prompt_list, unscored, json_path: Optional[Path], plot_path: Optional[Path]) -> None:
+    """The tables on stdout, notes on stderr, and the --json / --plot files."""
+    from rich.console import Console
+
+    from .. import bench as B
+
+    err = Console(stderr=True)
     out = Console(width=None if sys.stdout.isatty() else 160)
-    title = f"mars bench — {label}: {len(prompt_list)} prompts, {n_predict} tokens ({result.wall_s:.0f} s)"
+    title = (f"mars bench — {settings.label}: {len(prompt_list)} prompts, {settings.max_tokens} tokens "
+             f"({result.wall_s:.0f} s)")
     for table in B.render_tables(result, title):
         out.print(table)
     for note in result.notes:

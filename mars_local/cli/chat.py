@@ -16,21 +16,27 @@ import typer
 from typer import echo
 
 from . import flags as opt
+from .render import chunk_printer
+from .typed import valid_utf8
 from ..chat.session import ChatSession, ContextDropped, Interrupted, Text, TurnDone, read_message
+from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 
 
 @opt.generation_options
 def chat(
-    n_predict: int = typer.Option(512, "-n", "--n-predict", "--predict", help="Maximum tokens per answer (-1: until the end of the answer or a full context)."),
+    n_predict: int = typer.Option(
+        DEFAULTS.max_tokens_chat, "-n", "--n-predict", "--predict",
+        help="Maximum tokens per answer (-1: until the end of the answer or a full context).",
+    ),
     system: Optional[str] = typer.Option(None, "--system", "-sys", help="System prompt."),
     show_acceptance: bool = typer.Option(False, "--show-acceptance", "--color-draft", help="Colour tokens by origin."),
     gen: opt.GenOptions = None,
 ) -> None:
     """Chat with a model in the terminal (/help for commands, Ctrl-D to leave)."""
     if system is not None:
-        system = opt.valid_utf8(system, "--system")
-    opt.check_n_predict(n_predict)
+        system = valid_utf8(system, "--system")
+    opt.check_flag("max_tokens", n_predict)
     choice = gen.choice()
     cfg = gen.config(choice, n_predict)
     eng = gen.engine(choice)
@@ -39,10 +45,18 @@ def chat(
         raise MarsError(f"{choice.label} has no chat template; give one with --chat-template NAME|FILE "
                         "or use `mars run` instead")
     # -n -1: answers may fill the context; keep the default room for one free
-    session = ChatSession(eng, cfg, system, reserve=n_predict if n_predict > 0 else 512)
-    show = opt.chunk_printer(show_acceptance, eng)
+    session = ChatSession(eng, cfg, system, reserve=n_predict if n_predict > 0 else DEFAULTS.max_tokens_chat)
+    show = chunk_printer(show_acceptance, eng)
     render = _renderer(show, eng.n_ctx)
     echo(f"mars chat with {choice.label} (drafter: {choice.drafter}, verify: {cfg.verify}); /help for commands")
+    try:
+        _converse(session, render)
+    finally:
+        eng.close()
+
+
+def _converse(session: ChatSession, render) -> None:
+    """Read messages until Ctrl-D or /quit: each a slash command or a turn, rendered as it comes."""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:  # pragma: no cover - Windows
@@ -57,38 +71,35 @@ def chat(
             pass
     waiting = _input_waiting()
     read_line = input if waiting is not _never else _PipedLines(sys.stdin)
-    try:
-        while True:
-            try:
-                if read_line is not input:
-                    read_line.new_message()
-                msg = read_message(read_line, waiting)
-            except EOFError:
-                echo("")
+    while True:
+        try:
+            if read_line is not input:
+                read_line.new_message()
+            msg = read_message(read_line, waiting)
+        except EOFError:
+            echo("")
+            break
+        except KeyboardInterrupt:  # also drops a half-typed """ block
+            echo("")
+            continue
+        line = valid_utf8(msg.text, "this message")
+        if not line.strip():
+            continue
+        if msg.command:
+            reply = session.command(line)
+            if reply is None:
                 break
-            except KeyboardInterrupt:  # also drops a half-typed """ block
-                echo("")
-                continue
-            line = opt.valid_utf8(msg.text, "this message")
-            if not line.strip():
-                continue
-            if msg.command:
-                reply = session.command(line)
-                if reply is None:
-                    break
-                echo(reply)
-                continue
-            turn = session.ask(line)
-            try:
-                for event in turn:
-                    render(event)
-            except MarsError as exc:
-                echo(f"error: {exc}", err=True)
-            except KeyboardInterrupt:  # while rendering, or before the answer started
-                turn.close()  # the session keeps what was said
-                echo("\n(stopped)", err=True)
-    finally:
-        eng.close()
+            echo(reply)
+            continue
+        turn = session.ask(line)
+        try:
+            for event in turn:
+                render(event)
+        except MarsError as exc:
+            echo(f"error: {exc}", err=True)
+        except KeyboardInterrupt:  # while rendering, or before the answer started
+            turn.close()  # the session keeps what was said
+            echo("\n(stopped)", err=True)
 
 
 def _never() -> bool:

@@ -1,5 +1,9 @@
-"""Options shared by `mars run`, `mars chat` and `mars batch`, and how they become
-an :class:`~mars_local.speculate.engine.Engine` and a :class:`~mars_local.speculate.engine.GenerateConfig`.
+"""The options shared by `mars run`, `mars chat`, `mars batch` and `mars serve`, and how they become
+an :class:`~mars_local.speculate.engine.Engine` and a :class:`~mars_local.core.config.GenerateConfig`.
+
+Every default and range comes from the table of :mod:`mars_local.core.defaults`, and every
+range is checked there: a setting's :class:`MarsError` names its field, which
+:func:`flag_errors` turns into the flag as the user typed it (:func:`flag_of`).
 
 Flag names follow llama.cpp (`-m`, `-md`, `-ngl`, `-ngld`, `-c`, `-n`, `--temp`,
 `-s`, `-t`, `--draft-max/--draft-min/--draft-p-min`, `--ignore-eos`,
@@ -7,7 +11,8 @@ Flag names follow llama.cpp (`-m`, `-md`, `-ngl`, `-ngld`, `-c`, `-n`, `--temp`,
 `--presence-penalty`, `--frequency-penalty`, `--grammar`, `-j/--json-schema`,
 `--chat-template`; ollama's `--format json`), with the newer
 `--spec-draft-*` spellings and mlx-lm's `--draft-model/--num-draft-tokens` as
-aliases.
+aliases.  Files the flags name are read by :mod:`.inputs`; statistics and chunks are
+shown by :mod:`.render`.
 """
 
 from __future__ import annotations
@@ -15,69 +20,79 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-import sys
 import typing
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import List, Optional
 
 import typer
-from typer import echo
 
-try:  # typer >= 0.25 vendors its own click
-    from typer._click.core import ParameterSource
-    from typer._click.globals import get_current_context
-except ImportError:  # pragma: no cover - older typer on top of click
-    from click import get_current_context
-    from click.core import ParameterSource
-
-from ..core.choices import DRAFTERS
-from ..core.errors import MarsError
+from .inputs import chat_template_option, check_template, grammar_option, open_engine
+from .typed import typed_flag, valid_utf8, warn
+from ..core.choices import DRAFT_SAMPLINGS, DRAFTERS, one_of
 from ..core.config import GenerateConfig
+from ..core.defaults import DEFAULTS, SETTINGS, check
+from ..core.errors import MarsError
 from ..models.registry import ModelChoice, choose_models
 
-MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
-ARGV: list[str] = []  # the command line as MarsGroup received it, to name a flag as the user typed it
+D, S = DEFAULTS, SETTINGS
+
+
+def _note(key: str) -> str:
+    return SETTINGS[key].note
+
+
+def _span(key: str) -> str:
+    """A whole-number range as help texts show it: "1..512"."""
+    return SETTINGS[key].range_text().removeprefix("in ")
+
 
 # Option objects are plain metadata, so each command reuses them as defaults.
-_D = GenerateConfig()  # the defaults of the generation settings
 MODEL = typer.Option(None, "-m", "--model", help="Target GGUF: path, hf:REPO/FILE or registry name.")
 MODEL_DRAFT = typer.Option(
     None, "-md", "--model-draft", "--spec-draft-model", "--draft-model", help="Draft GGUF of the same tokenizer."
 )
 DRAFTER = typer.Option(
-    None, "--drafter", help=f"{', '.join(DRAFTERS[:-1])} or {DRAFTERS[-1]} (default: the pair's, or model with -md)."
+    D.drafter, "--drafter", help=f"{', '.join(DRAFTERS[:-1])} or {DRAFTERS[-1]} (default: the pair's, or model with -md)."
 )
 NO_DRAFT = typer.Option(False, "--no-draft", help="Plain decoding (no speculation).")
-VERIFY = typer.Option(_D.verify, "--verify", help="Verification rule: strict (lossless) or mars.")
+VERIFY = typer.Option(D.verify, "--verify", help="Verification rule: strict (lossless) or mars.")
 THETA = typer.Option(
-    None, "--theta", help=f"MARS margin threshold in (0, 1] (default: the pair's, or {_D.theta})."
+    None, "--theta", help=f"MARS margin threshold {S['theta'].range_text()} (default: the pair's, or {D.theta})."
 )
 MAX_RELAXED = typer.Option(None, "--max-relaxed", help="Cap on MARS-relaxed accepts per window (default: none).")
 DRAFT_MAX = typer.Option(
     None, "--draft-max", "--spec-draft-n-max", "--draft", "--draft-n", "--num-draft-tokens",
-    help=f"Maximum draft length k (default: the pair's, or {_D.draft_max}).",
+    help=f"Maximum draft length k, {S['draft_max'].range_text()} (default: the pair's, or {D.draft_max}).",
 )
-DRAFT_MIN = typer.Option(_D.draft_min, "--draft-min", "--spec-draft-n-min", "--draft-n-min", help="Drop shorter drafts.")
+DRAFT_MIN = typer.Option(D.draft_min, "--draft-min", "--spec-draft-n-min", "--draft-n-min", help="Drop shorter drafts.")
 DRAFT_P_MIN = typer.Option(
-    _D.draft_p_min, "--draft-p-min", "--spec-draft-p-min", help="Stop drafting below this draft top-token probability."
+    D.draft_p_min, "--draft-p-min", "--spec-draft-p-min", help="Stop drafting below this draft top-token probability."
 )
-DRAFT_SAMPLING = typer.Option(_D.draft_sampling, "--draft-sampling", help="greedy or sample (draft model only).")
+DRAFT_SAMPLING = typer.Option(
+    D.draft_sampling, "--draft-sampling", help=f"{one_of(DRAFT_SAMPLINGS)} (draft model only)."
+)
 ADAPTIVE = typer.Option(
-    _D.adaptive, "--adaptive/--no-adaptive",
+    D.adaptive, "--adaptive/--no-adaptive",
     help="Choose the draft length per round from measured costs and acceptance (k = 0 included); "
     "--no-adaptive drafts --draft-max tokens every round.",
 )
 N_PREDICT = typer.Option(
-    _D.max_tokens, "-n", "--n-predict", "--predict",
+    D.max_tokens, "-n", "--n-predict", "--predict",
     help="Maximum tokens to generate; -1 = until an end-of-generation token or a full context.",
 )
-TEMP = typer.Option(_D.sampling.temperature, "--temp", "--temperature", help="Temperature; 0 = greedy.")
-TOP_K = typer.Option(_D.sampling.top_k, "--top-k", help="Top-k truncation (0 = off).")
-TOP_P = typer.Option(_D.sampling.top_p, "--top-p", help="Top-p truncation (1 = off).")
-MIN_P = typer.Option(_D.sampling.min_p, "--min-p", help="Min-p truncation (0 = off).")
-SEED = typer.Option(-1, "-s", "--seed", help="Random seed; -1 = random.")
+LOGPROBS = typer.Option(
+    D.logprobs, "--logprobs", metavar="N",
+    help="With --json: each generated token's log probability and the target's top N "
+    f"({_span('logprobs')}) alternatives.",
+)
+TEMP = typer.Option(D.temperature, "--temp", "--temperature", help=f"Temperature; {_note('temperature')}.")
+TOP_K = typer.Option(D.top_k, "--top-k", help=f"Top-k truncation ({_note('top_k')}).")
+TOP_P = typer.Option(D.top_p, "--top-p", help=f"Top-p truncation ({_note('top_p')}).")
+MIN_P = typer.Option(D.min_p, "--min-p", help=f"Min-p truncation ({_note('min_p')}).")
+SEED = typer.Option(D.seed, "-s", "--seed", help=f"Random seed; {_note('seed')}.")
 CTX_SIZE = typer.Option(
-    4096, "-c", "--ctx-size",
+    D.n_ctx, "-c", "--ctx-size",
     help="Context size in tokens; 0 = the model's training context (a larger one than that is allowed, with a warning).",
 )
 NGL = typer.Option(
@@ -86,22 +101,28 @@ NGL = typer.Option(
 NGLD = typer.Option(
     None, "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl", help="Draft GPU layers."
 )
-THREADS = typer.Option(None, "-t", "--threads", help=f"CPU threads, 1..{MAX_THREADS} (default: physical cores).")
+THREADS = typer.Option(
+    D.n_threads, "-t", "--threads", help=f"CPU threads, {_span('n_threads')} (default: physical cores)."
+)
 IGNORE_EOS = typer.Option(
-    _D.ignore_eos, "--ignore-eos", help="Never stop at an end-of-generation token (it is masked out)."
+    D.ignore_eos, "--ignore-eos", help="Never stop at an end-of-generation token (it is masked out)."
 )
 STOP = typer.Option(
     None, "-r", "--reverse-prompt", "--stop", metavar="STRING",
     help="Stop before this text (repeatable); it is not printed.",
 )
 REPEAT_PENALTY = typer.Option(
-    _D.repeat_penalty, "--repeat-penalty", help="Penalize repeated tokens (1.0 = off), as llama.cpp."
+    D.repeat_penalty, "--repeat-penalty", help=f"Penalize repeated tokens ({_note('repeat_penalty')}), as llama.cpp."
 )
 REPEAT_LAST_N = typer.Option(
-    _D.repeat_last_n, "--repeat-last-n", help="Tokens the penalties look back over (0 = off, -1 = the whole context)."
+    D.repeat_last_n, "--repeat-last-n", help=f"Tokens the penalties look back over ({_note('repeat_last_n')})."
 )
-PRESENCE_PENALTY = typer.Option(_D.presence_penalty, "--presence-penalty", help="Presence penalty (0.0 = off).")
-FREQUENCY_PENALTY = typer.Option(_D.frequency_penalty, "--frequency-penalty", help="Frequency penalty (0.0 = off).")
+PRESENCE_PENALTY = typer.Option(
+    D.presence_penalty, "--presence-penalty", help=f"Presence penalty ({_note('presence_penalty')})."
+)
+FREQUENCY_PENALTY = typer.Option(
+    D.frequency_penalty, "--frequency-penalty", help=f"Frequency penalty ({_note('frequency_penalty')})."
+)
 GRAMMAR = typer.Option(
     None, "--grammar", "--grammar-file", metavar="FILE", help="Constrain the output to a GBNF grammar file."
 )
@@ -122,8 +143,6 @@ FAST_KERNELS = typer.Option(
     help="Allow llama.cpp's repacked weight kernels for the target (~10% faster on K-quants on CPU); "
     "strict greedy output may then differ from plain decoding at near-ties.",
 )
-
-
 RPC = typer.Option(
     None, "--rpc", help="llama.cpp RPC servers HOST:PORT[,HOST:PORT...] that take the target's layers (trusted networks only)."
 )
@@ -131,6 +150,53 @@ RPC_DRAFT = typer.Option(False, "--rpc-draft", help="Put the draft model on the 
 TENSOR_SPLIT = typer.Option(
     None, "--tensor-split", "-ts", help="Layer proportions per device, e.g. 3,1 (default: by free memory)."
 )
+
+# The setting of the table (core.defaults) behind each GenOptions flag that has a rule there.
+SETTING_OF = {
+    "drafter": "drafter", "verify": "verify", "theta": "theta", "max_relaxed": "max_relaxed",
+    "draft_max": "draft_max", "draft_min": "draft_min", "draft_p_min": "draft_p_min",
+    "draft_sampling": "draft_sampling", "temp": "temperature", "top_k": "top_k", "top_p": "top_p",
+    "min_p": "min_p", "seed": "seed", "ctx_size": "n_ctx", "threads": "n_threads", "stop": "stop",
+    "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+# ... and the flags of the settings that commands take as their own options
+_OWN_FLAGS = {"max_tokens": N_PREDICT, "logprobs": LOGPROBS}
+
+
+def flag_of(field: Optional[str], own: Optional[dict] = None) -> Optional[str]:
+    """The flag, as the user typed it, that sets ``field`` (a setting of the table or a
+    GenerateConfig field); ``own``: a command's own options by field.  None: no flag sets it."""
+    if field is None:
+        return None
+    by_setting = {v: k for k, v in SETTING_OF.items()}
+    option = (own or {}).get(field) or _OWN_FLAGS.get(field) or _OPTION_INFO.get(by_setting.get(field, ""))
+    return typed_flag(option.param_decls) if option is not None else None
+
+
+@contextmanager
+def flag_errors(**own):
+    """A setting's MarsError raised inside becomes one naming the flag as the user typed it
+    (``own``: field=option of the command's own flags, e.g. ``queue_size=QUEUE``)."""
+    try:
+        yield
+    except MarsError as exc:
+        flag = flag_of(exc.field, own)
+        if flag is None:
+            raise
+        raise exc.naming(flag) from None
+
+
+def check_flag(field: str, value, **own):
+    """``value`` of a flag checked by the table's rule for ``field``, the error naming the flag."""
+    with flag_errors(**own):
+        return check(field, value)
+
+
+def flag_as_typed(name: str) -> str:
+    """The spelling of a shared option the user typed (`--num-draft-tokens`, `-c`),
+    or its first spelling; an error message then names the flag the user knows."""
+    return typed_flag(_OPTION_INFO[name].param_decls)
 
 
 def gpu_layers(value: Optional[str], flag: str) -> Optional[int]:
@@ -148,108 +214,11 @@ def gpu_layers(value: Optional[str], flag: str) -> Optional[int]:
     return n
 
 
-def flag_as_typed(name: str) -> str:
-    """The spelling of a shared option the user typed (`--num-draft-tokens`, `-c`),
-    or its first spelling; an error message then names the flag the user knows."""
-    return typed_flag(_OPTION_INFO[name].param_decls)
-
-
-def typed_flag(decls) -> str:
-    """Which of an option's spellings ``decls`` the user typed (the last one given), or the first."""
-    for tok in reversed(ARGV):
-        if tok == "--":
-            continue
-        head = tok.split("=", 1)[0] if tok.startswith("--") else tok
-        if head in decls:
-            return head
-    return decls[0]
-
-
-def check_n_predict(n: int, option=None) -> None:
-    """-n: a number of tokens >= 1, or -1 (until end of generation or a full context)."""
-    if n < 1 and n != -1:
-        flag = typed_flag((option or N_PREDICT).param_decls)
-        raise MarsError(f"{flag}: the number of tokens to generate must be >= 1, or -1 (until an "
-                        f"end-of-generation token or a full context), got {n}")
-
-
-KIND_STYLE = {"draft": "green", "relaxed": "bold yellow", "target": ""}
-
-
-def chunk_printer(show_acceptance: bool, eng):
-    """Stream chunks to stdout, coloured by how each token was produced if asked
-    (green = accepted draft, yellow = accepted only by MARS, plain = target)."""
-    if not show_acceptance:
-        def plain(chunk):
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-
-        return plain
-    from rich.console import Console
-    from rich.text import Text
-
-    console = Console(highlight=False, soft_wrap=True)
-
-    def coloured(chunk):
-        pieces = [eng.piece(tok).decode("utf-8", "replace") for tok in chunk.tokens]
-        line = Text()
-        if "".join(pieces) != chunk.text:
-            # text held back (a character split across tokens) or cut at a stop string:
-            # the chunk's text is what is shown, uncoloured
-            line.append(chunk.text)
-        else:
-            for piece, kind in zip(pieces, chunk.kinds):
-                line.append(piece, style=KIND_STYLE.get(kind, ""))
-        console.print(line, end="")
-
-    return coloured
-
-
-def warn(msg: str) -> None:
-    echo(f"warning: {msg}", err=True)
-
-
-def check_threads(threads: Optional[int]) -> None:
-    if threads is not None and not 1 <= threads <= MAX_THREADS:
-        raise MarsError(f"{flag_as_typed('threads')} must be in 1..{MAX_THREADS} (ggml's limit), got {threads}")
-
-
-def check_ctx_size(ctx_size: int) -> None:
-    from ..llama import runtime
-
-    max_ctx = getattr(runtime, "MAX_CTX", 1 << 30)  # llama.cpp's positions are 32-bit
-    if ctx_size < 0:
-        raise MarsError(f"{flag_as_typed('ctx_size')} must be >= 0 (0 = the model's training context), got {ctx_size}")
-    if ctx_size > max_ctx:
-        raise MarsError(f"{flag_as_typed('ctx_size')} {ctx_size} is too large (at most {max_ctx} tokens)")
-
-
-def valid_utf8(text: str, what: str) -> str:
-    """``text`` as valid Unicode: an argument holding bytes that are not UTF-8
-    (Python passes them as lone surrogates, 'caf\\udce9') has each bad byte
-    replaced with U+FFFD, with one warning line (llama.cpp's tokenizer does the
-    same replacement, silently)."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        pass
-    try:
-        raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:  # surrogates that did not come from undecodable bytes
-        raw = text.encode("utf-8", "surrogatepass")
-    warn(f"{what} is not valid UTF-8; each invalid byte was replaced with U+FFFD")
-    return raw.decode("utf-8", "replace")
-
-
-def decode_utf8(raw: bytes, what: str) -> str:
-    """Bytes read from standard input as text, invalid UTF-8 replaced as in :func:`valid_utf8`."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        warn(f"{what} is not valid UTF-8 (first bad byte at offset {exc.start}); "
-             "each invalid byte was replaced with U+FFFD")
-        return raw.decode("utf-8", "replace")
+def make_config(choice: ModelChoice, **options):
+    """A validated GenerateConfig: the options given (None = not given) over the
+    pair's recommendation (θ, k) over the table's defaults; an error names the flag."""
+    with flag_errors():
+        return GenerateConfig.make(**{**choice.overrides, **{k: v for k, v in options.items() if v is not None}})
 
 
 def context_sizes(eng, ctx_size: int) -> tuple[int, int, int]:
@@ -261,47 +230,10 @@ def context_sizes(eng, ctx_size: int) -> tuple[int, int, int]:
     return int(eng.n_ctx), int(requested), int(train)
 
 
-def context_full_note(eng) -> str:
-    return f"note: stopped: the context ({eng.n_ctx} tokens) is full; a larger -c makes room"
-
-
-def make_config(choice: ModelChoice, **options):
-    """A validated GenerateConfig: the options given (None = not given) over the
-    pair's recommendation (θ, k) over GenerateConfig's defaults."""
-    return GenerateConfig.make(**{**choice.overrides, **{k: v for k, v in options.items() if v is not None}})
-
-
-def format_stats(s, choice: ModelChoice, context: Optional[str] = None) -> str:
-    """An ollama-style summary with the speculation counters (``context``: see
-    :meth:`GenOptions.context_line`)."""
-    share = f", {s.relaxed_share:.0%} of accepts relaxed" if s.n_accepted else ""
-    lines = [
-        f"model:                {choice.label} (drafter: {choice.drafter})",
-        *([f"context size:         {context}"] if context else []),
-        f"prompt eval count:    {s.n_prompt} token(s) ({s.n_prompt_evaluated} evaluated, rest reused from cache)",
-        f"prompt eval duration: {s.time_prompt_s * 1000:.1f} ms",
-        f"eval count:           {s.n_generated} token(s)",
-        f"eval duration:        {s.time_decode_s * 1000:.1f} ms"
-        + (f" (+ {s.time_calibrate_s * 1000:.0f} ms timing verify windows once)" if s.time_calibrate_s else ""),
-        f"eval rate:            {s.tokens_per_second:.2f} tokens/s",
-        f"target forwards:      {s.n_rounds}",
-        f"drafted / accepted:   {s.n_drafted} / {s.n_accepted} "
-        f"(acceptance {s.acceptance_rate:.1%}, relaxed {s.n_relaxed}{share})",
-        f"mean accepted length: {s.mean_accepted_length:.2f} tokens per target forward",
-        "time split:           target {:.1f} ms, draft {:.1f} ms, verify {:.1f} ms ({}, {:.1%} of decode)".format(
-            s.time_target_s * 1000, s.time_draft_s * 1000, s.time_verify_s * 1000, s.verify_backend, s.verify_share
-        ),
-        f"draft length:         {'adaptive' if s.adaptive else 'fixed'}"
-        + (f", mean k {sum(s.k_per_round) / len(s.k_per_round):.2f}" if s.k_per_round else ""),
-        f"stop reason:          {s.stop_reason or 'interrupted'}",
-    ]
-    return "\n".join(lines)
-
-
 @dataclass
 class GenOptions:
-    """The model and generation flags shared by run, chat and batch (defaults: the
-    options above, built from GenerateConfig's)."""
+    """The model and generation flags shared by run, chat, batch and serve (defaults and
+    ranges: the table of core.defaults)."""
 
     model: Optional[str]
     model_draft: Optional[str]
@@ -342,16 +274,14 @@ class GenOptions:
     explicit = frozenset()  # the options given on the command line (set by generation_options)
 
     def check(self) -> None:
-        """Refuse impossible flags before anything is loaded (one line naming the flag as typed)."""
-        from ..core.config import MAX_DRAFT
-
-        check_ctx_size(self.ctx_size)
-        check_threads(self.threads)
-        gpu_layers(self.ngl, flag_as_typed("ngl"))
-        gpu_layers(self.ngld, flag_as_typed("ngld"))
-        if self.draft_max is not None and not 0 <= self.draft_max <= MAX_DRAFT:
-            raise MarsError(f"{flag_as_typed('draft_max')} must be in 0..{MAX_DRAFT}, got {self.draft_max}")
-        self.check_controls()
+        """Refuse impossible flags before anything is loaded (one line naming the flag as typed):
+        each flag by its setting's rule in the table, then what only the CLI knows."""
+        with flag_errors():
+            for name, setting in SETTING_OF.items():
+                value = getattr(self, name)
+                if value is not None:
+                    check(setting, tuple(value) if name == "stop" else value)
+        self.n_gpu_layers()
         if self.rpc_draft and self.rpc is None:
             raise MarsError(f"{flag_as_typed('rpc_draft')} needs --rpc HOST:PORT (the servers to put the draft on)")
         self.template()  # read a template file now, before any model loads
@@ -360,26 +290,9 @@ class GenOptions:
         parse_endpoints(self.rpc)
         parse_tensor_split(self.tensor_split)
 
-    def check_controls(self) -> None:
-        """The output controls' ranges, naming the flag as typed (GenerateConfig has the same rules)."""
-        import math
-
-        if not (math.isfinite(self.temp) and self.temp >= 0):
-            raise MarsError(f"{flag_as_typed('temp')} must be a finite number >= 0 (0 = greedy), got {self.temp}")
-        for s in self.stop or ():
-            if not s:
-                raise MarsError(f"{flag_as_typed('stop')} needs a non-empty string")
-        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
-            raise MarsError(f"{flag_as_typed('repeat_penalty')} must be > 0 (1.0 = off), got {self.repeat_penalty}")
-        if self.repeat_last_n < -1:
-            raise MarsError(
-                f"{flag_as_typed('repeat_last_n')} must be >= -1 (-1 = the whole context, 0 = off), "
-                f"got {self.repeat_last_n}"
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not math.isfinite(v):
-                raise MarsError(f"{flag_as_typed(name)} must be a finite number (0.0 = off), got {v}")
+    def n_gpu_layers(self) -> tuple[Optional[int], Optional[int]]:
+        """-ngl and -ngld as numbers (None: auto)."""
+        return gpu_layers(self.ngl, flag_as_typed("ngl")), gpu_layers(self.ngld, flag_as_typed("ngld"))
 
     def stops(self) -> Optional[tuple]:
         """The stop strings (None when none were given), made valid Unicode."""
@@ -390,8 +303,6 @@ class GenOptions:
     def template(self) -> Optional[str]:
         """--chat-template resolved (read once): Jinja text, or a name, or None."""
         if not hasattr(self, "_template"):
-            from .inputs import chat_template_option, check_template
-
             self._template = chat_template_option(self.chat_template)
             if self._template is not None:
                 check_template(self._template, self.chat_template)
@@ -400,18 +311,16 @@ class GenOptions:
     def grammar_text(self) -> Optional[str]:
         """The GBNF of --grammar/--json-schema/--format (read and converted once), or None."""
         if not hasattr(self, "_grammar"):
-            from .inputs import grammar_option
-
             self._grammar = grammar_option(self.grammar, self.json_schema, self.format)
         return self._grammar
 
     def choice(self) -> ModelChoice:
         self.check()
-        return choose_models(self.model, self.model_draft, self.drafter, self.no_draft)
+        with flag_errors():
+            return choose_models(self.model, self.model_draft, self.drafter, self.no_draft)
 
     def config(self, choice: ModelChoice, max_tokens: int, **more):
         """The GenerateConfig of these flags (``more``: a command's own fields, e.g. logprobs)."""
-        self.check_controls()
         return make_config(
             choice, theta=self.theta, draft_max=self.draft_max, max_tokens=max_tokens, verify=self.verify,
             max_relaxed=self.max_relaxed, draft_min=self.draft_min, draft_p_min=self.draft_p_min,
@@ -424,16 +333,19 @@ class GenOptions:
 
     def engine(self, choice: ModelChoice):
         """The Engine, then one warning line per questionable setting (as llama.cpp does)."""
-        from .inputs import open_engine
-        from ..llama.runtime import read_busy_note
-
-        eng = open_engine(choice, self.ctx_size, self.ngl, self.ngld, self.threads, self.fast_kernels,
+        eng = open_engine(choice, self.ctx_size, *self.n_gpu_layers(), self.threads, self.fast_kernels,
                           self.template(), self.rpc, self.rpc_draft, self.tensor_split)
         try:
             self._check_grammar(eng)
         except BaseException:
             eng.close()
             raise
+        self._warn(eng)
+        return eng
+
+    def _warn(self, eng) -> None:
+        from ..llama.runtime import read_busy_note
+
         cores = os.cpu_count()
         if self.threads is not None and cores and self.threads > cores:
             warn(f"{flag_as_typed('threads')} {self.threads} is more than the {cores} CPU cores here; "
@@ -449,7 +361,6 @@ class GenOptions:
                      + (f"; using {used}" if used < requested else "; output may degrade past it"))
             elif used < requested:
                 warn(f"{c}: the context holds only {used} tokens")
-        return eng
 
     def _check_grammar(self, eng) -> None:
         """Compile the grammar flag's GBNF once against the model's vocabulary, so that an invalid
@@ -484,13 +395,15 @@ _OPTION_INFO = {
     "frequency_penalty": FREQUENCY_PENALTY, "grammar": GRAMMAR, "json_schema": JSON_SCHEMA, "format": FORMAT,
     "chat_template": CHAT_TEMPLATE, "rpc": RPC, "rpc_draft": RPC_DRAFT, "tensor_split": TENSOR_SPLIT,
 }
+_CTX = "mars_cli_context"  # the parameter typer fills with the command's typer.Context
 
 
 def generation_options(fn):
     """Give a command every GenOptions flag; it receives them as ``gen: GenOptions``.
 
     Typer reads a command's parameters from its signature, so the wrapper
-    advertises the command's own parameters followed by the shared ones.
+    advertises the command's own parameters followed by the shared ones (and a
+    typer.Context, to know which flags the command line gave).
     """
     sig = inspect.signature(fn)
     own = [p for p in sig.parameters.values() if p.name != "gen"]
@@ -501,15 +414,15 @@ def generation_options(fn):
                           annotation=shared_hints[f.name])
         for f in fields(GenOptions)
     ]
+    shared.append(inspect.Parameter(_CTX, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=typer.Context))
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        ctx = kwargs.pop(_CTX, None)
         gen = GenOptions(**{f.name: kwargs.pop(f.name) for f in fields(GenOptions)})
-        ctx = get_current_context(silent=True)
         if ctx is not None:
-            gen.explicit = frozenset(
-                f.name for f in fields(GenOptions) if ctx.get_parameter_source(f.name) == ParameterSource.COMMANDLINE
-            )
+            sources = {f.name: ctx.get_parameter_source(f.name) for f in fields(GenOptions)}
+            gen.explicit = frozenset(n for n, src in sources.items() if src is not None and src.name == "COMMANDLINE")
         return fn(*args, gen=gen, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=own + shared)

@@ -1,7 +1,8 @@
-"""Parsing the CLI's file-or-text options (--file, --chat-template, --grammar/--json-schema/--format)
+"""Reading what the flags name (--file, --chat-template, --grammar/--json-schema/--format)
 and opening the Engine the model flags describe.
 
-Each returns what the API takes (text) or raises a one-line MarsError before a model loads.
+Each returns what the API takes (text, an Engine) or raises a one-line MarsError before a
+model loads.  Imports :mod:`.typed` only of the CLI (:mod:`.flags` imports this module).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Optional
 
-from .flags import decode_utf8, typed_flag, valid_utf8
+from .typed import decode_utf8, typed_flag, valid_utf8
 from ..core.errors import MarsError
 from ..core.textfile import MAX_PROMPT_BYTES, MAX_TEMPLATE_BYTES, decode_text, is_file_path, read_bytes
 
@@ -94,9 +95,9 @@ def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Opti
 
 def open_engine(
     choice: "ModelChoice",
-    ctx_size: int,
-    ngl: Optional[str],
-    ngld: Optional[str],
+    n_ctx: int,
+    n_gpu_layers: Optional[int],
+    n_gpu_layers_draft: Optional[int],
     threads: Optional[int],
     fast_kernels: bool,
     chat_template: Optional[str] = None,
@@ -104,12 +105,10 @@ def open_engine(
     rpc_draft: bool = False,
     tensor_split: Optional[str] = None,
 ):
-    from .flags import check_ctx_size, check_threads, flag_as_typed, gpu_layers
-    from ..speculate.engine import Engine
+    """The Engine of checked flag values (:meth:`mars_local.cli.flags.GenOptions.check`)."""
+    from ..speculate.engine import Engine  # looked up when called: tests put a fake engine there
     from ..llama.rpc import parse_endpoints, parse_tensor_split
 
-    check_threads(threads)
-    check_ctx_size(ctx_size)
     extra = {"chat_template": chat_template} if chat_template is not None else {}
     if rpc is not None:
         extra.update(rpc=parse_endpoints(rpc), rpc_draft=rpc_draft)
@@ -119,9 +118,9 @@ def open_engine(
         choice.target,
         choice.draft,
         drafter=choice.drafter,
-        n_ctx=ctx_size,
-        n_gpu_layers=gpu_layers(ngl, flag_as_typed("ngl")),
-        n_gpu_layers_draft=gpu_layers(ngld, flag_as_typed("ngld")),
+        n_ctx=n_ctx,
+        n_gpu_layers=n_gpu_layers,
+        n_gpu_layers_draft=n_gpu_layers_draft,
         n_threads=threads,
         exact_kernels=not fast_kernels,
         **extra,

@@ -11,14 +11,18 @@ import typer
 from typer import echo
 from typer.core import TyperGroup
 
-try:  # typer >= 0.25 vendors its own click
-    from typer._click import exceptions as cx
-except ImportError:  # pragma: no cover - older typer on top of click
-    from click import exceptions as cx
+# typer >= 0.26 vendors click: its usage and command errors derive from typer.TyperException;
+# an older typer raises click's own, named by click's public API
+if issubclass(typer.BadParameter, getattr(typer, "TyperException", ())):
+    CommandLineError = typer.TyperException
+else:  # pragma: no cover - older typer on top of click
+    from click import ClickException as CommandLineError
 
 from . import batch as cli_batch, bench as cli_bench, chat as cli_chat, models as cli_models, serve as cli_serve
 from . import flags as opt
 from .inputs import read_text_file
+from .render import chunk_printer, context_full_note, format_stats
+from .typed import ARGV, decode_utf8, typed_flag, valid_utf8
 from ..core.errors import MarsError
 from ..core.textfile import MAX_PROMPT_BYTES, decode_text, read_stream
 
@@ -54,21 +58,17 @@ class MarsGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         code = 0
-        opt.ARGV[:] = [str(a) for a in (sys.argv[1:] if args is None else args)]
+        ARGV[:] = [str(a) for a in (sys.argv[1:] if args is None else args)]
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             code = rv if isinstance(rv, int) else 0
-        except cx.NoArgsIsHelpError as exc:
-            echo(exc.ctx.get_help() if exc.ctx else str(exc))
         except MarsError as exc:
             echo(f"error: {_one_line(exc)}", err=True)
             code = 2
-        except cx.UsageError as exc:
-            hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx else ""
+        except CommandLineError as exc:  # a usage error (exit 2, with the command's help hint) or another
+            ctx = getattr(exc, "ctx", None)
+            hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
             echo(f"error: {_one_line(exc.format_message())}{hint}", err=True)
-            code = 2
-        except cx.ClickException as exc:
-            echo(f"error: {_one_line(exc.format_message())}", err=True)
             code = exc.exit_code or 1
         except typer.Abort:
             echo("aborted", err=True)
@@ -93,7 +93,7 @@ app = typer.Typer(
     name="mars",
     cls=MarsGroup,
     help="Local GGUF inference with speculative decoding verified by MARS.",
-    no_args_is_help=True,
+    no_args_is_help=False,  # `mars` alone prints the help (_root), exit 0
     add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -108,11 +108,15 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
+@app.callback(invoke_without_command=True)
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
 ) -> None:
     """Local GGUF inference with speculative decoding verified by MARS."""
+    if ctx.invoked_subcommand is None:
+        echo(ctx.get_help())
+        raise typer.Exit()
 
 
 # ------------------------------------------------------------------ run
@@ -129,9 +133,9 @@ def read_prompt(prompt: Optional[str], what: str = "PROMPT") -> str:
                           "a prompt")
         if b"\x00" in raw:
             decode_text(raw, "standard input")  # binary: refused, naming the line
-        prompt = opt.decode_utf8(raw, "standard input")
+        prompt = decode_utf8(raw, "standard input")
     else:
-        prompt = opt.valid_utf8(prompt, what)
+        prompt = valid_utf8(prompt, what)
     if not prompt.strip():
         raise MarsError("the prompt is empty")
     return prompt
@@ -139,16 +143,12 @@ def read_prompt(prompt: Optional[str], what: str = "PROMPT") -> str:
 
 PROMPT_OPTION = typer.Option(None, "-p", "--prompt", metavar="TEXT", help="The prompt (as llama.cpp's -p).")
 FILE_OPTION = typer.Option(None, "-f", "--file", metavar="FILE", help="Read the prompt from a UTF-8 text file.")
-LOGPROBS_OPTION = typer.Option(
-    0, "--logprobs", metavar="N",
-    help="With --json: each generated token's log probability and the target's top N (0..20) alternatives.",
-)
 
 
 def check_prompt_sources(positional: Optional[str], prompt_opt: Optional[str], file: Optional[str]) -> None:
     """At most one of PROMPT, -p/--prompt and -f/--file."""
-    given = [n for n, v in (("PROMPT", positional), (opt.typed_flag(PROMPT_OPTION.param_decls), prompt_opt),
-                            (opt.typed_flag(FILE_OPTION.param_decls), file)) if v is not None]
+    given = [n for n, v in (("PROMPT", positional), (typed_flag(PROMPT_OPTION.param_decls), prompt_opt),
+                            (typed_flag(FILE_OPTION.param_decls), file)) if v is not None]
     if len(given) > 1:
         raise MarsError(f"give the prompt once: {' and '.join(given)} were both given")
 
@@ -164,14 +164,13 @@ def prompt_source(positional: Optional[str], prompt_opt: Optional[str], file: Op
             raise MarsError(f"the prompt file {file} is empty")
         return text
     if prompt_opt is not None:
-        return read_prompt(prompt_opt, opt.typed_flag(PROMPT_OPTION.param_decls)) if prompt_opt != "-" else \
+        return read_prompt(prompt_opt, typed_flag(PROMPT_OPTION.param_decls)) if prompt_opt != "-" else \
             read_prompt(None)
     return read_prompt(positional)
 
 
 def check_logprobs(n: int, as_json: bool) -> None:
-    if not 0 <= n <= 20:
-        raise MarsError(f"--logprobs must be in 0..20, got {n}")
+    opt.check_flag("logprobs", n)
     if n and not as_json:
         raise MarsError("--logprobs needs --json (the log probabilities are written into the JSON object)")
 
@@ -189,7 +188,7 @@ def run(
         help="Colour each token: green = accepted draft, yellow = accepted only by MARS, plain = target.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {text, tokens, stats} and nothing else."),
-    logprobs: int = LOGPROBS_OPTION,
+    logprobs: int = opt.LOGPROBS,
     stats: bool = typer.Option(False, "--stats", "-v", help="Print a timing and acceptance summary to stderr."),
     gen: opt.GenOptions = None,
 ) -> None:
@@ -198,59 +197,76 @@ def run(
     Ctrl-C ends the line, prints the partial statistics with --stats and exits 130;
     a closed pipe (`| head`) ends quietly with exit 0.
     """
-    opt.check_n_predict(n_predict)
+    opt.check_flag("max_tokens", n_predict)
     check_logprobs(logprobs, as_json)
     check_prompt_sources(prompt, prompt_opt, file)
     choice = gen.choice()  # flags are checked before standard input is read or a model loads
     cfg = gen.config(choice, n_predict, **({"logprobs": logprobs} if logprobs else {}))
     text = prompt_source(prompt, prompt_opt, file)
     if system is not None:
-        system = opt.valid_utf8(system, "--system")
+        system = valid_utf8(system, "--system")
     eng = gen.engine(choice)
     try:
-        if chat or system is not None:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-            prompt_in = eng.chat_prompt(messages)
-        else:
-            prompt_in = text
-        text_parts, tokens, lps = [], [], []
-        show = None if as_json else opt.chunk_printer(show_acceptance, eng)
+        prompt_in = _chat_prompt(eng, text, system) if chat or system is not None else text
+        summary = (lambda s: format_stats(s, choice, gen.context_line(eng))) if stats else None
         stream = eng.stream(prompt_in, cfg)
         try:
-            try:
-                for chunk in stream:
-                    text_parts.append(chunk.text)
-                    tokens.extend(chunk.tokens)
-                    lps.extend(chunk.logprobs or ())
-                    if show is not None:
-                        show(chunk)
-            finally:  # any way out (Ctrl-C, a closed pipe): the statistics are final
-                stream.close()
+            parts, tokens, lps = _consume(stream, None if as_json else chunk_printer(show_acceptance, eng))
         except KeyboardInterrupt:
-            if not as_json:
-                sys.stdout.write("\n")  # the cursor back at the start of a line
-                sys.stdout.flush()
-            s = stream.stats
-            if s is not None and not s.stop_reason:
-                s.stop_reason = "interrupted"
-            if stats and s is not None:
-                echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
-            raise typer.Exit(130) from None
-        s = stream.stats
-        if as_json:
-            obj = {"text": "".join(text_parts), "tokens": tokens, "stats": s.to_dict()}
-            if logprobs:
-                obj["logprobs"] = [lp.to_dict(lambda t: eng.piece(t).decode("utf-8", "replace")) for lp in lps]
-            echo(json.dumps(obj, ensure_ascii=False))
-        else:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        if s.stop_reason == "context":
-            echo(opt.context_full_note(eng), err=True)
-        if stats:
-            echo(opt.format_stats(s, choice, gen.context_line(eng)), err=True)
+            _interrupted(stream, as_json, summary)
+        _print_result(eng, "".join(parts), tokens, lps, stream.stats, as_json, logprobs)
+        if stream.stats.stop_reason == "context":
+            echo(context_full_note(eng), err=True)
+        if summary is not None:
+            echo(summary(stream.stats), err=True)
     finally:
         eng.close()
+
+
+def _chat_prompt(eng, text: str, system: Optional[str]):
+    """PROMPT as a user turn (after the system prompt) in the model's chat template."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return eng.chat_prompt(messages)
+
+
+def _consume(stream, show) -> tuple[list[str], list[int], list]:
+    """The stream's texts, tokens and log probabilities, each chunk shown as it comes (``show``)."""
+    parts, tokens, lps = [], [], []
+    try:
+        for chunk in stream:
+            parts.append(chunk.text)
+            tokens.extend(chunk.tokens)
+            lps.extend(chunk.logprobs or ())
+            if show is not None:
+                show(chunk)
+    finally:  # any way out (Ctrl-C, a closed pipe): the statistics are final
+        stream.close()
+    return parts, tokens, lps
+
+
+def _interrupted(stream, as_json: bool, summary) -> None:
+    """Ctrl-C: end the line, show the partial statistics (``summary``, if asked) and exit 130."""
+    if not as_json:
+        sys.stdout.write("\n")  # the cursor back at the start of a line
+        sys.stdout.flush()
+    s = stream.stats
+    if s is not None and not s.stop_reason:
+        s.stop_reason = "interrupted"
+    if summary is not None and s is not None:
+        echo(summary(s), err=True)
+    raise typer.Exit(130) from None
+
+
+def _print_result(eng, text: str, tokens: list[int], lps: list, s, as_json: bool, logprobs: int) -> None:
+    """The end of the output: the JSON object (--json), or the line's end after the streamed text."""
+    if not as_json:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        return
+    obj = {"text": text, "tokens": tokens, "stats": s.to_dict()}
+    if logprobs:
+        obj["logprobs"] = [lp.to_dict(lambda t: eng.piece(t).decode("utf-8", "replace")) for lp in lps]
+    echo(json.dumps(obj, ensure_ascii=False))
 
 
 # ------------------------------------------------------------ commands

@@ -208,13 +208,23 @@ def doctor(
         if failed:
             raise typer.Exit(1)
         return
+    echo("\n".join(_doctor_lines(rep, servers)))
+    _rpc_failures(servers)
+    if failed:
+        echo("error: a check failed: model registry (see above)", err=True)
+        raise typer.Exit(1)
+
+
+def _doctor_lines(rep: dict, servers) -> list[str]:
+    """The report of `mars doctor` as lines of text (the RPC servers' after the rest)."""
     avail = [n for n, ok in rep["models"].items() if ok]
     reg = rep["registry"]
-    if failed:
+    if reg["problem"] is not None:
         reg_line, models_line = f"FAILED: {reg['problem']}", "unknown (the registry could not be read)"
     else:
         reg_line = "ok (" + ", ".join(reg["sources"]) + ")"
         models_line = ", ".join(avail) if avail else "none (mars pull NAME)"
+    learned = rep["learned"]
     lines = [
         f"mars-local:           {rep['mars_local']}",
         f"llama-cpp-python:     {rep['llama_cpp_python']}",
@@ -224,11 +234,11 @@ def doctor(
         f"model registry:       {reg_line}",
         f"models on this disk:  {models_line}",
         f"system:               {rep['system_info']}",
-        f"learned state:        {len(rep['learned']['entries'])} entr{'y' if len(rep['learned']['entries']) == 1 else 'ies'}"
-        f" in {rep['learned']['path']}" + (f" ({rep['learned']['problem']})" if rep["learned"]["problem"] else "")
+        f"learned state:        {len(learned['entries'])} entr{'y' if len(learned['entries']) == 1 else 'ies'}"
+        f" in {learned['path']}" + (f" ({learned['problem']})" if learned["problem"] else "")
         + " (mars doctor --reset-learned forgets it)",
     ]
-    for k, v in rep["learned"]["entries"].items():
+    for k, v in learned["entries"].items():
         kind, *parts = k.split("|")
         where = " · ".join(p.split("@")[0] for p in parts if len(p) != 12 or "@" in p)  # names, not hashes
         lines.append(f"  {kind:<7} {where}: {v}")
@@ -239,8 +249,4 @@ def doctor(
         lines.append(f"RPC server {srv['endpoint']}: ok (protocol {srv['protocol']})")
         for d in srv["devices"]:
             lines.append(f"  {d['name']} {d['description']}: {d['free'] >> 20} MiB free of {d['total'] >> 20} MiB")
-    echo("\n".join(lines))
-    _rpc_failures(servers)
-    if failed:
-        echo("error: a check failed: model registry (see above)", err=True)
-        raise typer.Exit(1)
+    return lines

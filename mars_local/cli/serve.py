@@ -10,7 +10,13 @@ import typer
 from typer import echo
 
 from . import flags as opt
+from .typed import warn
+from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
+
+QUEUE = typer.Option(
+    DEFAULTS.queue_size, "--queue", help="Requests that may wait for the engine; more get 503."
+)
 
 
 @opt.generation_options
@@ -20,9 +26,9 @@ def serve(
     api_key: Optional[str] = typer.Option(
         None, "--api-key", envvar="MARS_API_KEY", help="Require 'Authorization: Bearer KEY' (env MARS_API_KEY)."
     ),
-    queue: int = typer.Option(64, "--queue", help="Requests that may wait for the engine; more get 503."),
+    queue: int = QUEUE,
     n_predict: int = typer.Option(
-        -1, "-n", "--n-predict", "--predict",
+        DEFAULTS.max_tokens_serve, "-n", "--n-predict", "--predict",
         help="Default max tokens of a request without max_tokens (-1: until the end or a full context).",
     ),
     alias: Optional[str] = typer.Option(None, "--alias", help="The model id clients see (default: the model's name)."),
@@ -38,12 +44,11 @@ def serve(
     gen: opt.GenOptions = None,
 ) -> None:
     """Serve the models over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, ...)."""
-    from ..server import bind, check_allowed_host, check_installed, check_origin, is_loopback, run_server
+    from ..server import bind, check_allowed_host, check_installed, check_origin
 
     check_installed()
-    opt.check_n_predict(n_predict)
-    if queue < 1:
-        raise MarsError(f"--queue must be >= 1, got {queue}")
+    opt.check_flag("max_tokens", n_predict)
+    opt.check_flag("queue_size", queue, queue_size=QUEUE)
     if api_key is not None and not api_key.strip():
         raise MarsError("--api-key is empty")
     if alias is not None and not alias.strip():
@@ -59,31 +64,39 @@ def serve(
         sock.close()
         raise
     try:
-        from ..server.app import ServerSettings, create_app
-
-        target = Path(choice.target)
-        model_id = alias or (choice.label if choice.pair is not None else target.stem)
-        aliases = tuple({choice.label, target.name, target.stem, str(choice.target)} - {model_id})
-        info = {"drafter": choice.drafter, "verify": cfg.verify, "n_ctx": eng.n_ctx}
-        settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info,
-                                  cors=origins, host=host, allowed_hosts=hosts)
-        app = create_app(eng, settings)
-        bound_host, bound_port = sock.getsockname()[:2]
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-
-        def ready() -> None:
-            echo(f"mars serve: {model_id} (drafter: {choice.drafter}, verify: {cfg.verify}) on "
-                 f"http://{shown}:{bound_port}/v1", err=True)
-            if not is_loopback(host) and api_key is None:
-                opt.warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
-
-        run_server(app, sock, ready)
-        # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too,
-        # and never free the models under a generation that is still running
-        if not app.state.server.worker.stop(timeout=30.0):
-            echo("mars serve: a generation did not stop in time; exiting without freeing the models", err=True)
-            sock.close()
-            os._exit(130)
+        _serve(eng, sock, choice, cfg, host=host, alias=alias, api_key=api_key, queue=queue, quiet=quiet,
+               origins=origins, hosts=hosts)
     finally:
         sock.close()
         eng.close()
+
+
+def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: Optional[str], queue: int,
+           quiet: bool, origins: tuple, hosts: tuple) -> None:
+    """Serve on the bound ``sock`` until stopped (Ctrl-C)."""
+    from ..server import is_loopback, run_server
+    from ..server.app import ServerSettings, create_app
+
+    target = Path(choice.target)
+    model_id = alias or (choice.label if choice.pair is not None else target.stem)
+    aliases = tuple({choice.label, target.name, target.stem, str(choice.target)} - {model_id})
+    info = {"drafter": choice.drafter, "verify": cfg.verify, "n_ctx": eng.n_ctx}
+    settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info,
+                              cors=origins, host=host, allowed_hosts=hosts)
+    app = create_app(eng, settings)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+
+    def ready() -> None:
+        echo(f"mars serve: {model_id} (drafter: {choice.drafter}, verify: {cfg.verify}) on "
+             f"http://{shown}:{bound_port}/v1", err=True)
+        if not is_loopback(host) and api_key is None:
+            warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
+
+    run_server(app, sock, ready)
+    # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too,
+    # and never free the models under a generation that is still running
+    if not app.state.server.worker.stop(timeout=30.0):
+        echo("mars serve: a generation did not stop in time; exiting without freeing the models", err=True)
+        sock.close()
+        os._exit(130)

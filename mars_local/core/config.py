@@ -9,78 +9,65 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..speculate.adaptive import AdaptiveK
-from .choices import DRAFT_SAMPLINGS, DraftSampling, VerifyMethod
-from ..speculate.drafters import Drafter
+from .choices import DraftSampling, VerifyMethod
+from .defaults import DEFAULTS, SETTINGS, Setting, check
 from .errors import MarsError
 from .sampling import SamplingParams
 from .stats import SpecStats
 from .verify import VerifyConfig
 
-__all__ = ["GenerateConfig", "Chunk", "Generation", "Stream", "TokenLogprob", "MAX_DRAFT"]
+if TYPE_CHECKING:  # _Run's annotations only: core imports nothing outside core
+    from ..speculate.adaptive import AdaptiveK
+    from ..speculate.drafters import Drafter
 
-MAX_DRAFT = 63  # patches/0003: batches of up to 64 rows use the kernels of a 1-row decode
+__all__ = ["GenerateConfig", "Chunk", "Generation", "Stream", "TokenLogprob", "MAX_DRAFT",
+           "SETTINGS", "DEFAULTS", "Setting", "check"]
+
+MAX_DRAFT = SETTINGS["draft_max"].hi  # patches/0003: batches of up to 64 rows use the kernels of a 1-row decode
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """Everything that shapes one generation (validated on construction)."""
+    """Everything that shapes one generation (validated on construction).
 
-    max_tokens: int = 256  # -1: until an end-of-generation token or a full context
-    verify: VerifyMethod = "mars"
-    theta: float = VerifyConfig.theta
-    draft_max: int = 8
-    draft_min: int = 0
-    draft_p_min: float = 0.0
-    draft_sampling: DraftSampling = "greedy"
-    adaptive: bool = True
-    max_relaxed: int | None = None
-    require_positive_top1: bool = True
+    Defaults and ranges: the table of :mod:`mars_local.core.defaults`; a value it refuses is a
+    MarsError whose ``field`` names the field."""
+
+    max_tokens: int = DEFAULTS.max_tokens  # -1: until an end-of-generation token or a full context
+    verify: VerifyMethod = DEFAULTS.verify
+    theta: float = DEFAULTS.theta
+    draft_max: int = DEFAULTS.draft_max
+    draft_min: int = DEFAULTS.draft_min
+    draft_p_min: float = DEFAULTS.draft_p_min
+    draft_sampling: DraftSampling = DEFAULTS.draft_sampling
+    adaptive: bool = DEFAULTS.adaptive
+    max_relaxed: int | None = DEFAULTS.max_relaxed
+    require_positive_top1: bool = DEFAULTS.require_positive_top1
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Controls honoured inside verify windows (row i sees the committed text plus drafts 0..i-1):
-    ignore_eos: bool = False  # end-of-generation tokens masked in the target's rows and the draft's
-    stop: tuple[str, ...] = ()  # stop strings: the output ends just before the first one
-    repeat_penalty: float = 1.0  # llama.cpp's penalties, over the last repeat_last_n tokens
-    repeat_last_n: int = 64  # 0: off, -1: the whole context
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    grammar: str | None = None  # GBNF text (see mars_local.speculate.grammar for JSON and JSON schemas)
-    logprobs: int = 0  # the target's top-N log probabilities at each emitted token (0: none)
+    ignore_eos: bool = DEFAULTS.ignore_eos  # end-of-generation tokens masked in the target's rows and the draft's
+    stop: tuple[str, ...] = DEFAULTS.stop  # stop strings: the output ends just before the first one
+    repeat_penalty: float = DEFAULTS.repeat_penalty  # llama.cpp's penalties, over the last repeat_last_n tokens
+    repeat_last_n: int = DEFAULTS.repeat_last_n  # 0: off, -1: the whole context
+    presence_penalty: float = DEFAULTS.presence_penalty
+    frequency_penalty: float = DEFAULTS.frequency_penalty
+    grammar: str | None = DEFAULTS.grammar  # GBNF text (see mars_local.speculate.grammar for JSON and JSON schemas)
+    logprobs: int = DEFAULTS.logprobs  # the target's top-N log probabilities at each emitted token (0: none)
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1 and self.max_tokens != -1:
-            raise MarsError(
-                f"the number of tokens to generate must be >= 1, or -1 for no limit, got {self.max_tokens}"
-            )
-        if isinstance(self.stop, str) or not all(isinstance(x, str) and x for x in self.stop):
-            raise MarsError("stop must be a sequence of non-empty strings")
+        for name in _CHECKED:  # one rule per field, in the table
+            check(name, getattr(self, name))
         object.__setattr__(self, "stop", tuple(self.stop))
-        if not (np.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
-            raise MarsError(f"repeat-penalty must be > 0 (1 is off), got {self.repeat_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not np.isfinite(getattr(self, name)):
-                raise MarsError(f"{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
-        if self.repeat_last_n < -1:
-            raise MarsError(f"repeat-last-n must be >= -1 (-1: the whole context, 0: off), got {self.repeat_last_n}")
         if self.grammar is not None and not self.grammar.strip():
-            raise MarsError("the grammar is empty")
-        if not 0 <= self.logprobs <= 20:
-            raise MarsError(f"logprobs must be in 0..20, got {self.logprobs}")
-        if not 0 <= self.draft_max <= MAX_DRAFT:
-            raise MarsError(
-                f"draft-max must be in 0..{MAX_DRAFT} (verify windows of up to {MAX_DRAFT + 1} rows are "
-                f"computed exactly like single tokens), got {self.draft_max}"
-            )
-        if self.draft_min < 0 or self.draft_min > max(self.draft_max, 0):
-            raise MarsError(f"draft-min must be in [0, draft-max={self.draft_max}], got {self.draft_min}")
-        if not (0.0 <= self.draft_p_min <= 1.0):
-            raise MarsError(f"draft-p-min must be in [0, 1], got {self.draft_p_min}")
-        if self.draft_sampling not in DRAFT_SAMPLINGS:
-            raise MarsError(f"draft sampling must be {' or '.join(DRAFT_SAMPLINGS)}, got {self.draft_sampling!r}")
-        self.verify_config()  # validates the verification fields (their one home: VerifyConfig)
+            raise MarsError("the grammar is empty", field="grammar")
+        if self.draft_min > self.draft_max:
+            raise MarsError(f"draft-min must be in [0, draft-max={self.draft_max}], got {self.draft_min}",
+                            field="draft_min", subject="draft-min")
+        self.verify_config()  # validates verify, theta and max_relaxed (VerifyConfig's fields)
 
     def verify_config(self, eog_ids: tuple[int, ...] = ()) -> VerifyConfig:
         """The verification rule these settings ask for (``eog_ids``: the target's end-of-generation tokens)."""
@@ -107,6 +94,10 @@ class GenerateConfig:
             raise TypeError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
         base = kw.pop("sampling", None) or SamplingParams()
         return cls(sampling=replace(base, **s_kw), **kw)
+
+
+_CHECKED = ("max_tokens", "draft_max", "draft_min", "draft_p_min", "draft_sampling", "stop", "repeat_penalty",
+            "repeat_last_n", "presence_penalty", "frequency_penalty", "logprobs")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import MarsError
+from .defaults import DEFAULTS, check
 
 __all__ = [
     "SamplingParams",
@@ -58,25 +58,19 @@ __all__ = [
 class SamplingParams:
     """Sampling settings; defaults are llama.cpp's (temperature 0 = greedy).
 
-    seed: None or a negative number picks a random seed; any other value makes
-    a run reproducible.
+    seed: a negative number (the default, -1) or None picks a random seed; any
+    other value makes a run reproducible.  Defaults and ranges: :mod:`.defaults`.
     """
 
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int | None = None
+    temperature: float = DEFAULTS.temperature
+    top_k: int = DEFAULTS.top_k
+    top_p: float = DEFAULTS.top_p
+    min_p: float = DEFAULTS.min_p
+    seed: int | None = DEFAULTS.seed
 
     def __post_init__(self) -> None:
-        if not np.isfinite(self.temperature) or self.temperature < 0:
-            raise MarsError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise MarsError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise MarsError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not (0.0 <= self.min_p < 1.0):
-            raise MarsError(f"min-p must be in [0, 1), got {self.min_p}")
+        for name in ("temperature", "top_k", "top_p", "min_p", "seed"):  # the rules: core.defaults
+            check(name, getattr(self, name))
 
     @property
     def greedy(self) -> bool:

@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .choices import VERIFY_METHODS as METHODS  # the allowed values, declared once
+from .defaults import DEFAULTS, check  # defaults and ranges (the allowed methods: core.choices)
 from .errors import MarsError
 from .sampling import SamplingParams, probabilities, sample_from
 
@@ -103,26 +103,20 @@ __all__ = [
     "verify_sampling",
 ]
 
-DEFAULT_THETA = 0.9  # the MARS margin threshold (paper: 0.9); every default reads this line
-
-
 @dataclass(frozen=True)
 class VerifyConfig:
-    """Which rule to apply and its knobs (see the module glossary)."""
+    """Which rule to apply and its knobs (see the module glossary); defaults and ranges: :mod:`.defaults`."""
 
-    method: str = "mars"
-    theta: float = DEFAULT_THETA
-    require_positive_top1: bool = True
-    max_relaxed: int | None = None
+    method: str = DEFAULTS.verify
+    theta: float = DEFAULTS.theta
+    require_positive_top1: bool = DEFAULTS.require_positive_top1
+    max_relaxed: int | None = DEFAULTS.max_relaxed
     eog_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise MarsError(f"verify method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if not (0.0 < self.theta <= 1.0):
-            raise MarsError(f"theta must be in (0, 1], got {self.theta}")
-        if self.max_relaxed is not None and self.max_relaxed < 0:
-            raise MarsError(f"max relaxed accepts per window must be >= 0, got {self.max_relaxed}")
+        check("verify", self.method)
+        check("theta", self.theta)
+        check("max_relaxed", self.max_relaxed)
 
 
 @dataclass

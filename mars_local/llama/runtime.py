@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.defaults import DEFAULTS, SETTINGS, check
 from ..core.errors import MarsError
 from .gguf_file import check_gguf_file
 from ..core.tokens import common_prefix_len
@@ -339,7 +340,7 @@ def special_tokens(model: Model) -> list[tuple[str, int, bool, bool]]:
 # ----------------------------------------------------------------- context
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
-MAX_CTX = 1 << 30  # llama.cpp's positions are 32-bit; no model comes near this
+MAX_CTX = SETTINGS["n_ctx"].hi  # llama.cpp's positions are 32-bit; no model comes near this
 
 
 def _available_memory() -> int | None:
@@ -391,7 +392,7 @@ class _CtxInfo:
     kv_bytes: int
 
 
-def context_params(model: Model, n_ctx, n_batch: int = 512, n_threads: int | None = None,
+def context_params(model: Model, n_ctx, n_batch: int = DEFAULTS.n_batch, n_threads: int | None = None,
                    flash_attn: bool | None = None, kv_type: str = "f16"):
     """llama_context_params for ``model`` (checked: size, KV type, memory) and what they resolve to.
 
@@ -408,9 +409,8 @@ def context_params(model: Model, n_ctx, n_batch: int = 512, n_threads: int | Non
         )
     # 0 means the training context (llama.cpp's convention); a larger size
     # than the training context is allowed, as in llama.cpp (callers warn).
-    requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else 4096)
-    if requested > MAX_CTX:
-        raise MarsError(f"the context size {requested:,} is too large (at most {MAX_CTX:,} tokens)")
+    requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else DEFAULTS.n_ctx)
+    check("n_ctx", requested)  # at most MAX_CTX: the table's limit (core.defaults)
     n_ctx = max(16, requested)
     if kv_type not in KV_TYPES:
         raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
@@ -465,8 +465,8 @@ class Context:
     def __init__(
         self,
         model: Model,
-        n_ctx: int = 4096,
-        n_batch: int = 512,
+        n_ctx: int = DEFAULTS.n_ctx,
+        n_batch: int = DEFAULTS.n_batch,
         n_threads: int | None = None,
         flash_attn: bool | None = None,
         kv_type: str = "f16",

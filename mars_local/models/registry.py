@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..core.choices import DRAFTERS
+from ..core.choices import DRAFTERS, choice, drafter_for
 from ..core.errors import MarsError
 from ..core.textfile import is_file_path
 
@@ -132,8 +132,10 @@ def _parse_pair(name: str, raw) -> Pair:
     target = _model_file(name, "target", raw.get("target"))
     draft = _model_file(name, "draft", raw["draft"]) if raw.get("draft") is not None else None
     drafter = raw.get("drafter", "model" if draft else "none")
-    if not isinstance(drafter, str) or drafter not in DRAFTERS:
-        raise _EntryError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}", "drafter")
+    try:
+        choice(drafter, DRAFTERS, "drafter")
+    except MarsError as exc:
+        raise _EntryError(str(exc), "drafter") from None
     if drafter == "model" and draft is None:
         raise _EntryError("drafter 'model' needs a draft", "drafter")
     from ..core.config import GenerateConfig  # the ranges and defaults of the settings
@@ -361,8 +363,8 @@ def choose_models(
     """
     if pair is not None and model is not None:
         raise MarsError("--pair and -m/--model are exclusive")
-    if drafter is not None and drafter not in DRAFTERS:
-        raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+    if drafter is not None:
+        choice(drafter, DRAFTERS, "drafter")
     if no_draft and (model_draft is not None or drafter not in (None, "none")):
         raise MarsError("--no-draft contradicts -md/--model-draft and --drafter")
     if model_draft is not None and drafter not in (None, "model"):
@@ -390,9 +392,7 @@ def choose_models(
         draft, drafter = resolve_model(model_draft, reg), "model"
     if no_draft:
         drafter = "none"
-    drafter = drafter or ("model" if draft is not None else "none")
-    if drafter == "model" and draft is None:
-        raise MarsError("--drafter model needs a draft model (-md DRAFT.gguf)")
+    drafter = drafter_for(drafter, draft is not None)  # the one rule: core.choices
     overrides = entry.overrides if entry is not None else {}
     return ModelChoice(target, draft if drafter == "model" else None, drafter, label, entry, overrides)
 

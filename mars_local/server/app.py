@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..core.config import GenerateConfig
+from ..core.defaults import DEFAULTS
 from . import host_name, is_loopback
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .requests import ApiError, Request, parse_chat, parse_completion
@@ -54,7 +55,7 @@ class ServerSettings:
     model_id: str  # what /v1/models lists and requests name
     aliases: tuple[str, ...] = ()  # other names a request's `model` may use (file name, registry name)
     api_key: str | None = None
-    queue_size: int = 64  # requests waiting for the engine before 503
+    queue_size: int = DEFAULTS.queue_size  # requests waiting for the engine before 503
     log: bool = True  # one line per generation on stderr
     info: dict = field(default_factory=dict)  # extra /v1/models fields (drafter, verify)
     cors: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default

@@ -27,13 +27,20 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from ..core.errors import MarsError
 from ..core.config import GenerateConfig
+from ..core.defaults import SETTINGS
+from ..core.errors import MarsError
 
 __all__ = ["ApiError", "Request", "parse_chat", "parse_completion", "SPECULATIVE_KEYS"]
 
 SPECULATIVE_KEYS = ("enabled", "verify", "theta", "draft_max", "adaptive")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
+# OpenAI's ranges for OpenAI's fields (narrower than the engine's); llama.cpp's extensions take the
+# table's (core.defaults), which GenerateConfig checks
+_OPENAI_RANGES = (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", None, None),
+                  ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2))
+_LOGPROBS = SETTINGS["logprobs"]  # top_logprobs and completions' logprobs: the CLI's --logprobs range
+_MAX_TOKENS_MIN = SETTINGS["max_tokens"].lo  # OpenAI's max_tokens has no -1
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -147,9 +154,6 @@ def _speculative(cfg: GenerateConfig, spec: Any) -> GenerateConfig:
     w = "speculative."
     verify = _field(spec, "verify", (str,), where=w)
     if verify is not None:
-        if verify not in ("strict", "mars"):
-            raise ApiError(400, f"'speculative.verify' must be 'strict' or 'mars', got {verify!r}",
-                           param="speculative.verify")
         cfg = _with(cfg, "speculative.verify", verify=verify)
     theta = _field(spec, "theta", (int, float), where=w)
     if theta is not None:
@@ -219,15 +223,13 @@ def _common(body: Any, defaults: GenerateConfig, max_tokens_names: tuple[str, ..
     _unsupported(body)
     cfg = defaults
     for name in max_tokens_names:
-        n = _num(body, name, 1, integer=True)
+        n = _num(body, name, _MAX_TOKENS_MIN, integer=True)
         if n is not None:
             cfg = _with(cfg, name, max_tokens=n)
     if _num(body, "top_p", 0, 1) == 0:  # OpenAI allows 0: only the most likely token, i.e. greedy
         cfg = _with(cfg, "top_p", temperature=0.0)
         body = {k: v for k, v in body.items() if k not in ("top_p", "temperature")}
-    # OpenAI's ranges for OpenAI's fields; llama.cpp's extensions take GenerateConfig's (the CLI's) ranges
-    for name, lo, hi in (("temperature", 0, 2), ("top_p", 0, 1), ("min_p", None, None),
-                         ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+    for name, lo, hi in _OPENAI_RANGES:
         v = _num(body, name, lo, hi)
         if v is not None:
             cfg = _with(cfg, name, **{name: float(v)})
@@ -300,7 +302,7 @@ def parse_chat(body: Any, defaults: GenerateConfig) -> Request:
         raise ApiError(400, "'messages' must be a non-empty array of messages", param="messages")
     messages = [_message(i, m) for i, m in enumerate(msgs)]
     wanted = bool(_field(body, "logprobs", (bool,)))
-    n_top = _num(body, "top_logprobs", 0, 20, integer=True) or 0
+    n_top = _num(body, "top_logprobs", _LOGPROBS.lo, _LOGPROBS.hi, integer=True) or 0
     if n_top and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     cfg = _with_logprobs(cfg, wanted, n_top)
@@ -323,6 +325,6 @@ def parse_completion(body: Any, defaults: GenerateConfig) -> Request:
                        param="prompt")
     if isinstance(prompt, str) and not prompt:
         raise ApiError(400, "'prompt' is empty", param="prompt")
-    n = _num(body, "logprobs", 0, 20, integer=True)
+    n = _num(body, "logprobs", _LOGPROBS.lo, _LOGPROBS.hi, integer=True)
     cfg = _with_logprobs(cfg, n is not None, n or 0)
     return Request("completion", cfg, prompt=prompt, logprobs=n is not None, n_top=n or 0, **common)

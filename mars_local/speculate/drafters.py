@@ -38,7 +38,8 @@ from typing import ClassVar
 import numpy as np
 
 from .adaptive import confidence_key
-from ..core.choices import DRAFT_SAMPLINGS, DRAFTERS, DrafterKind, DraftSampling
+from ..core.choices import DRAFT_SAMPLINGS, DrafterKind, DraftSampling, drafter_for
+from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
 from ..core.tokens import common_prefix_len
@@ -48,15 +49,7 @@ __all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT", "E
 
 def drafter_kind(drafter: DrafterKind | None, draft) -> DrafterKind:
     """The drafter asked for (default: the draft model when there is one), checked against ``draft``."""
-    if drafter is None:
-        drafter = "model" if draft else "none"
-    if drafter not in DRAFTERS:
-        raise MarsError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
-    if drafter == "model" and not draft:
-        raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)")
-    if drafter != "model" and draft:
-        raise MarsError(f"a draft model was given but the drafter is {drafter!r}")
-    return drafter
+    return drafter_for(drafter, bool(draft))  # the one rule: core.choices
 
 
 @dataclass
@@ -106,7 +99,7 @@ class NgramDrafter(Drafter):
     cheap = True
     gives_keys = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = DEFAULTS.ngram_max, min_ngram: int = DEFAULTS.ngram_min):
         if not (1 <= min_ngram <= max_ngram):
             raise MarsError(f"n-gram sizes must satisfy 1 <= min <= max, got {min_ngram}..{max_ngram}")
         self.max_ngram = max_ngram

@@ -29,6 +29,7 @@ from ..core.choices import DrafterKind
 from .controllers import Controllers, calibrate, learned_keys
 from .controls import Controls, StopScanner
 from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
+from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, _Run, token_logprobs
 from .grammar import GrammarState
@@ -60,13 +61,13 @@ class Engine:
         draft: str | Path | None = None,
         *,
         drafter: DrafterKind | None = None,
-        n_ctx: int = 4096,
-        n_batch: int = 512,
+        n_ctx: int = DEFAULTS.n_ctx,
+        n_batch: int = DEFAULTS.n_batch,
         n_gpu_layers: int | None = None,
         n_gpu_layers_draft: int | None = None,
         n_threads: int | None = None,
-        ngram_max: int = 3,
-        ngram_min: int = 1,
+        ngram_max: int = DEFAULTS.ngram_max,
+        ngram_min: int = DEFAULTS.ngram_min,
         flash_attn: bool | None = None,
         kv_type: str = "f16",
         exact_kernels: bool = True,
