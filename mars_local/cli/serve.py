@@ -14,6 +14,12 @@ from .typed import warn
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 
+PARALLEL = typer.Option(
+    DEFAULTS.parallel, "--parallel", "-np", metavar="N",
+    help="Requests decoded together in one batch per round (continuous batching; each sequence holds up "
+         "to -c tokens, so the KV cache is N times a lone one). 0 = auto (8, fewer when memory is short). "
+         "1 = one at a time, reusing the previous prompt's cache.",
+)
 QUEUE = typer.Option(
     DEFAULTS.queue_size, "--queue", help="Requests that may wait for the engine; more get 503."
 )
@@ -27,6 +33,7 @@ def serve(
         None, "--api-key", envvar="MARS_API_KEY", help="Require 'Authorization: Bearer KEY' (env MARS_API_KEY)."
     ),
     queue: int = QUEUE,
+    parallel: int = PARALLEL,
     n_predict: int = typer.Option(
         DEFAULTS.max_tokens_serve, "-n", "--n-predict", "--predict",
         help="Default max tokens of a request without max_tokens (-1: until the end or a full context).",
@@ -49,6 +56,7 @@ def serve(
     check_installed()
     opt.check_flag("max_tokens", n_predict)
     opt.check_flag("queue_size", queue, queue_size=QUEUE)
+    opt.check_flag("parallel", parallel, parallel=PARALLEL)
     if api_key is not None and not api_key.strip():
         raise MarsError("--api-key is empty")
     if alias is not None and not alias.strip():
@@ -64,15 +72,19 @@ def serve(
         sock.close()
         raise
     try:
+        if parallel == 0:
+            from ..speculate.batched import auto_parallel
+
+            parallel = auto_parallel(eng)
         _serve(eng, sock, choice, cfg, host=host, alias=alias, api_key=api_key, queue=queue, quiet=quiet,
-               origins=origins, hosts=hosts)
+               origins=origins, hosts=hosts, parallel=parallel)
     finally:
         sock.close()
         eng.close()
 
 
 def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: Optional[str], queue: int,
-           quiet: bool, origins: tuple, hosts: tuple) -> None:
+           quiet: bool, origins: tuple, hosts: tuple, parallel: int = 1) -> None:
     """Serve on the bound ``sock`` until stopped (Ctrl-C)."""
     from ..server import is_loopback, run_server
     from ..server.app import ServerSettings, create_app
@@ -82,13 +94,14 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
     aliases = tuple({choice.label, target.name, target.stem, str(choice.target)} - {model_id})
     info = {"drafter": choice.drafter, "verify": cfg.verify, "n_ctx": eng.n_ctx}
     settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info,
-                              cors=origins, host=host, allowed_hosts=hosts)
+                              cors=origins, host=host, allowed_hosts=hosts, parallel=parallel)
     app = create_app(eng, settings)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
 
     def ready() -> None:
-        echo(f"mars serve: {model_id} (drafter: {choice.drafter}, verify: {cfg.verify}) on "
+        echo(f"mars serve: {model_id} (drafter: {choice.drafter}, verify: {cfg.verify}"
+             + (f", {parallel} requests at once" if parallel > 1 else "") + ") on "
              f"http://{shown}:{bound_port}/v1", err=True)
         if not is_loopback(host) and api_key is None:
             warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")

@@ -185,6 +185,7 @@ SETTINGS: dict[str, Setting] = {
     "n_threads": Setting(None, lo=1, hi=512, integer=True, note="ggml's limit"),  # None: the physical cores
     # ---- mars serve
     "queue_size": Setting(64, lo=1, integer=True, name="queue"),  # requests waiting for the engine before 503
+    "parallel": Setting(1, lo=0, hi=256, integer=True, name="parallel"),  # sequences per round (0: auto)
 }
 
 

@@ -61,6 +61,7 @@ class ServerSettings:
     cors: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     host: str = "127.0.0.1"  # the address listened on: on loopback, Host headers are checked
     allowed_hosts: tuple[str, ...] = ()  # Host names accepted besides loopback ones (checked whenever given)
+    parallel: int = 1  # requests decoded together (1: one at a time, with the engine's prefix cache)
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -135,7 +136,12 @@ class _Server:
     def __init__(self, engine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
         self.metrics = Metrics()
-        self.worker = Worker(engine, settings.queue_size, on_done=self._done)
+        if settings.parallel > 1:
+            from .batch_worker import BatchWorker
+
+            self.worker = BatchWorker(engine, settings.queue_size, settings.parallel, on_done=self._done)
+        else:
+            self.worker = Worker(engine, settings.queue_size, on_done=self._done)
         self.names = {settings.model_id, *settings.aliases}
 
     # ------------------------------------------------------------ checks
@@ -337,13 +343,14 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     @app.get("/v1/health")
     async def health():
-        return {"status": "ok", "queue": srv.worker.waiting, "running": srv.worker.running is not None}
+        return {"status": "ok", "queue": srv.worker.waiting, "running": srv.worker.running is not None,
+                "sequences": srv.worker.n_running}
 
     @app.get("/metrics")
     async def metrics(request: HttpRequest):
         srv.auth(request)
         srv.metrics.queue_depth.set(srv.worker.waiting)
-        srv.metrics.running.set(1 if srv.worker.running is not None else 0)
+        srv.metrics.set_load(srv.worker)
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     if settings.cors:  # web pages on these origins may call the API from a browser

@@ -43,7 +43,18 @@ class Metrics:
         self.ttft = Histogram("mars_time_to_first_token_seconds", "Generation requests: arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("mars_queue_depth", "Requests waiting for the engine", registry=r)
-        self.running = Gauge("mars_requests_running", "Requests on the engine (0 or 1)", registry=r)
+        self.running = Gauge("mars_requests_running", "Requests on the engine (up to --parallel)", registry=r)
+        self.batch_rows = Gauge("mars_batch_rows", "Rows of the latest target forward (all sequences)", registry=r)
+        self.batch_k = Gauge("mars_batch_draft_length", "The latest round's draft length (load-aware)", registry=r)
+
+    def set_load(self, worker) -> None:
+        """The gauges of what runs now (a Worker or a BatchWorker)."""
+        self.queue_depth.set(worker.waiting)
+        self.running.set(worker.n_running)
+        sched = getattr(worker, "sched", None)
+        if sched is not None:
+            self.batch_rows.set(sched.last_rows)
+            self.batch_k.set(sched.last_k)
 
     def observe(self, stats, outcome: str, latency: float | None, ttft: float | None) -> None:
         """One generation's counts (``stats``: its SpecStats; None when it never started)."""

@@ -11,8 +11,9 @@ A :class:`Job` is one request's way through: the worker reports
 ``("done", SpecStats)`` — or ``("error", ApiError)`` — to the event loop's
 queue.  :meth:`Job.cancel` (a client that went away) is seen by the worker
 after the round in progress, or between two fragments of a prompt being
-tokenized: the stream is closed and the engine is free for the next request.  Several sequences decoded in one batch would replace
-this loop with a scheduler over the same Job interface.
+tokenized: the stream is closed and the engine is free for the next request.  With
+``--parallel N`` :class:`~mars_local.server.batch_worker.BatchWorker` replaces this loop
+with the batched scheduler over the same Job interface.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class Worker:
     @property
     def waiting(self) -> int:
         return self._q.qsize()
+
+    @property
+    def n_running(self) -> int:
+        """Requests on the engine now (0 or 1 here)."""
+        return 0 if self.running is None else 1
 
     def submit(self, job: Job) -> None:
         try:

@@ -1,0 +1,70 @@
+"""`mars serve --parallel N` through uvicorn: concurrent clients decoded together, each answer
+equal to its lone greedy answer, a client leaving mid-stream while the others run."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import openai
+import pytest
+
+from live_server import LiveServer
+from mars_local import Engine
+
+pytestmark = pytest.mark.slow
+PROMPTS = [f"client {i}: the quick brown fox " + "jumps " * (i % 5) for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_draft):
+    with LiveServer.start("-m", tiny_target, "-md", tiny_draft, "--parallel", "4", "--temp", "0",
+                          "--verify", "strict") as s:
+        yield s
+
+
+def lone_answers(tiny_target, tiny_draft, n):
+    with Engine(tiny_target, tiny_draft, learned=False) as eng:
+        return [eng.generate(p, max_tokens=n, temperature=0, draft_max=0, ignore_eos=True).text for p in PROMPTS]
+
+
+def test_concurrent_clients_each_get_their_lone_answer(server, tiny_target, tiny_draft):
+    want = lone_answers(tiny_target, tiny_draft, 24)
+    oa = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+
+    def ask(p):
+        r = oa.completions.create(model="target", prompt=p, max_tokens=24, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with cf.ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(ask, PROMPTS))
+    assert got == want
+    health = httpx.get(f"{server.base}/health", timeout=10).json()
+    assert health["sequences"] == 0 and health["queue"] == 0
+    metrics = httpx.get(f"{server.base}/metrics", timeout=10).text
+    assert "mars_batch_rows" in metrics and "mars_batch_draft_length" in metrics
+    assert any("4 requests at once" in line for line in server.lines)
+
+
+def test_a_client_leaving_mid_stream_does_not_disturb_the_others(server, tiny_target, tiny_draft):
+    want = lone_answers(tiny_target, tiny_draft, 40)[:6]
+    oa = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+
+    def ask(p):
+        return oa.completions.create(model="target", prompt=p, max_tokens=40, extra_body={"ignore_eos": True}
+                                     ).choices[0].text
+
+    def leave():
+        with httpx.stream("POST", f"{server.url}/completions", timeout=60, json={
+                "prompt": "a long one", "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    return True  # close after the first chunk
+        return False
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        left = pool.submit(leave)
+        got = list(pool.map(ask, PROMPTS[:6]))
+    assert left.result() and got == want
+    line = server.wait_for_line(" cancelled: ", timeout=30)
+    assert line
