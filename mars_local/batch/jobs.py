@@ -733,11 +733,16 @@ def token_text(engine):
     return lambda t: engine.piece(t).decode("utf-8", "replace")
 
 
-def run_batch(engine, records: Iterable[Record], done: Iterable = ()) -> Iterator[Outcome]:
-    """Generate every record in turn (messages through the chat template), one
-    Outcome each; an id in ``done`` (written since the records were planned) is
-    passed over, and a record the engine refuses (MarsError) is an Outcome with
-    ``error``, not an exception."""
+def run_batch(engine, records: Iterable[Record], done: Iterable = (), parallel: int = 1) -> Iterator[Outcome]:
+    """Generate every record (messages through the chat template), one Outcome each, in
+    the order they finish; an id in ``done`` (written since the records were planned) is
+    passed over, and a record the engine refuses (MarsError) is an Outcome with ``error``,
+    not an exception.  ``parallel`` > 1 decodes that many records together
+    (:class:`~mars_local.speculate.batched.Scheduler`): outcomes then come as records
+    finish, not in input order."""
+    if parallel > 1:
+        yield from _run_parallel(engine, records, done, parallel)
+        return
     for rec in records:
         if id_key(rec.id) in done:
             yield Outcome(rec)
@@ -749,3 +754,36 @@ def run_batch(engine, records: Iterable[Record], done: Iterable = ()) -> Iterato
             yield Outcome(rec, error=str(exc))
             continue
         yield Outcome(rec, output_line(rec, result, token_text(engine)), result.stats)
+
+
+def _run_parallel(engine, records: Iterable[Record], done: Iterable, parallel: int) -> Iterator[Outcome]:
+    from ..speculate.batched import Scheduler
+
+    sched = Scheduler(engine, parallel)
+    live: list = []  # (record, its BatchStream), at most 2 x parallel planned ahead
+    todo = iter(records)
+    try:
+        while True:
+            while len(live) < 2 * parallel and (rec := next(todo, None)) is not None:
+                if id_key(rec.id) in done:
+                    yield Outcome(rec)
+                    continue
+                try:
+                    prompt = engine.chat_prompt(rec.messages) if rec.messages is not None else rec.prompt
+                    live.append((rec, sched.submit(prompt, rec.config)))
+                except MarsError as exc:
+                    yield Outcome(rec, error=str(exc))
+            if not live:
+                return
+            sched.step()
+            for item in [x for x in live if x[1].finished]:
+                live.remove(item)
+                rec, stream = item
+                try:
+                    result = stream.result()
+                except MarsError as exc:
+                    yield Outcome(rec, error=str(exc))
+                    continue
+                yield Outcome(rec, output_line(rec, result, token_text(engine)), result.stats)
+    finally:
+        sched.close()

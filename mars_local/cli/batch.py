@@ -8,6 +8,7 @@ parses flags, renders progress and warnings, and writes the output lines.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from typer import echo
 
 from ..batch import jobs as B
 from . import flags as opt
+from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 
 EPILOG = (
@@ -36,6 +38,11 @@ def batch(
         "One run at a time per output file: a second one is refused (the file is locked).",
     ),
     strict: bool = typer.Option(False, "--strict", help="Stop at the first malformed or unusable record (exit 2)."),
+    parallel: int = typer.Option(
+        DEFAULTS.parallel, "--parallel", "-np", metavar="N",
+        help="Records decoded together, one batch per round (0 = auto: 8, fewer when memory is short). "
+             "With N > 1 records are written as they finish, not in input order.",
+    ),
     n_predict: int = opt.N_PREDICT,
     gen: opt.GenOptions = None,
 ) -> None:
@@ -50,10 +57,13 @@ def batch(
     Rerunning with the same OUTPUT resumes: ids already there are skipped. Every
     id must be unique: a duplicate id is refused before anything is generated.
     Ids are strings or whole numbers; 7, 7.0 and "7" are the same id.
+    With --parallel N, N records are generated together and each is written the
+    moment it finishes (resuming works the same; strict greedy output is the same).
     A record with a bad field is skipped with a warning naming the line and the
     field, and the exit status is then 3 (--strict: an error instead).
     """
     opt.check_flag("max_tokens", n_predict)
+    opt.check_flag("parallel", parallel)
     choice = gen.choice()
     base = gen.config(choice, n_predict)
     name, lines = B.read_input(input)
@@ -62,7 +72,7 @@ def batch(
         B.check_output_path(output, input)
         lock = B.OutputLock.acquire(output)  # one run per output file, from here to the end
     try:
-        _batch(output, lock, name, lines, base, gen, choice, strict)
+        _batch(output, lock, name, lines, base, gen, choice, strict, parallel)
     finally:
         if lock is not None:
             lock.release()
@@ -87,20 +97,20 @@ class _Tally:
     tokens: int = 0
     accepted: int = 0
     drafted: int = 0
-    elapsed: float = 0.0
+    t_start: float = 0.0  # when generating began (records may run side by side: the rate is over wall time)
 
     def add(self, s) -> str:
         """Count a written record's stats; the progress line's rate."""
         self.written += 1
         self.tokens += s.n_generated
-        self.elapsed += s.time_total_s
+        self.elapsed = time.monotonic() - self.t_start
         self.accepted += s.n_accepted
         self.drafted += s.n_drafted
         acc = f", acceptance {self.accepted / self.drafted:.0%}" if self.drafted else ""
         return f"{self.tokens / max(self.elapsed, 1e-9):.1f} tok/s{acc}"
 
 
-def _batch(output: str, lock, name: str, lines: list, base, gen, choice, strict: bool) -> None:
+def _batch(output: str, lock, name: str, lines: list, base, gen, choice, strict: bool, parallel: int = 1) -> None:
     """The run after the input is read and OUTPUT locked (``lock`` None: standard output)."""
     to_stdout = lock is None
     if lock is not None and lock.note:
@@ -123,7 +133,7 @@ def _batch(output: str, lock, name: str, lines: list, base, gen, choice, strict:
         _finish(tally, output, to_stdout)
         return
     try:
-        _generate(output, lock, todo, state, gen, choice, strict, tally)
+        _generate(output, lock, todo, state, gen, choice, strict, tally, parallel)
     except KeyboardInterrupt:
         if to_stdout:
             msg = f"interrupted: {tally.written}/{len(todo)} records written to standard output"
@@ -143,12 +153,19 @@ def _finish(tally: _Tally, output: str, to_stdout: bool) -> None:
         raise typer.Exit(B.EXIT_SKIPPED)
 
 
-def _generate(output: str, lock, todo: list, state, gen, choice, strict: bool, tally: _Tally) -> None:
+def _generate(output: str, lock, todo: list, state, gen, choice, strict: bool, tally: _Tally,
+              parallel: int = 1) -> None:
     """Open the engine and write each pending record's line as it is generated, with a progress bar."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     eng = gen.engine(choice)
+    if parallel == 0:
+        from ..speculate.batched import auto_parallel
+
+        parallel = auto_parallel(eng)
+    parallel = min(parallel, len(todo))
+    tally.t_start = time.monotonic()
     writer = None
     try:
         if lock is not None:
@@ -163,7 +180,7 @@ def _generate(output: str, lock, todo: list, state, gen, choice, strict: bool, t
             TimeRemainingColumn(), console=console, transient=False, disable=not console.is_terminal,
         ) as progress:
             task = progress.add_task("batch", total=len(todo), rate="")
-            for res in B.run_batch(eng, todo, state.ids):
+            for res in B.run_batch(eng, todo, state.ids, parallel):
                 if res.error is not None:
                     if strict:
                         raise MarsError(f"line {res.record.line_no}: {res.error}")

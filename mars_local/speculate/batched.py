@@ -195,6 +195,14 @@ class BatchStream(Iterator[Chunk]):
         """The sequence has ended (chunks may still be unread)."""
         return self._seq.done
 
+    def result(self) -> Generation:
+        """The whole generation (runs the scheduler until this sequence ends; chunks already
+        taken are not in it); raises the sequence's error."""
+        chunks = list(self)
+        lp = [x for c in chunks for x in (c.logprobs or [])] if self.config.logprobs else None
+        return Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                          [x for c in chunks for x in c.kinds], self.stats, lp)
+
     def take(self) -> list[Chunk]:
         """The chunks made so far and not yet read, without driving the scheduler (a
         server's worker steps it itself); raises the sequence's error once it has ended."""
@@ -273,13 +281,7 @@ class Scheduler:
         streams = [self.submit(p, config, **options) for p in prompts]
         while any(not s._seq.done for s in streams):
             self.step()
-        out = []
-        for s in streams:
-            chunks = list(s)
-            lp = [x for c in chunks for x in (c.logprobs or [])] if s.config.logprobs else None
-            out.append(Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
-                                  [x for c in chunks for x in c.kinds], s.stats, lp))
-        return out
+        return [s.result() for s in streams]
 
     @property
     def n_live(self) -> int:
