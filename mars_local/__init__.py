@@ -38,6 +38,7 @@ _LAZY = {
     "Engine": "speculate.engine",
     "GenerateConfig": "core.config",
     "Generation": "core.config",
+    "Scheduler": "speculate.batched",
     "SpecStats": "core.stats",
     "Stream": "core.config",
 }
@@ -49,6 +50,7 @@ __all__ = [
     "Generation",
     "MarsError",
     "SamplingParams",
+    "Scheduler",
     "SpecStats",
     "Stream",
     "VerifyConfig",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .speculate.engine import Engine
     from .core.config import Chunk, GenerateConfig, Generation, Stream
     from .core.stats import SpecStats
+    from .speculate.batched import Scheduler
 
 
 def __getattr__(name: str):
