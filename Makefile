@@ -14,9 +14,9 @@ PURE_VENV  := .cache/venv-pure
 PURE_TESTS := tests/test_imports.py tests/llama/test_gguf_file.py tests/core/test_verify.py tests/core/test_verify_stats.py \
               tests/speculate/test_adaptive.py tests/speculate/test_learned.py tests/speculate/test_drafters.py tests/speculate/test_controls_pure.py \
               tests/chat/test_chat_input.py tests/server/test_server_requests.py tests/core/test_stats.py \
-              tests/core/test_defaults.py
+              tests/core/test_defaults.py tests/test_layers.py
 
-.PHONY: install run test test-pure bench clean distclean rpc-server
+.PHONY: install run test test-fast test-pure bench clean distclean rpc-server
 
 # The virtual environment, the patched llama-cpp-python, mars-local itself
 # (editable, with test extras) and the bundled offline model.
@@ -36,8 +36,14 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml scripts/build_llama_cpp.sh
 run: install
 	$(BIN)/mars run --chat --stats "$(PROMPT)"
 
-test: install rpc-server
-	$(BIN)/python -m pytest -q
+# The whole suite, each test once: the pure modules' tests in a venv without llama-cpp-python
+# (which proves they need none), then every other test in .venv.
+test: install rpc-server test-pure
+	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(PURE_TESTS))
+
+# The inner loop: everything but the tests marked slow (real models, live servers), in .venv.
+test-fast: install
+	$(BIN)/python -m pytest -q -x -m "not slow"
 
 # llama.cpp's RPC server from the same patched tree, for the RPC tests (cached in .cache/rpc-server/).
 rpc-server:

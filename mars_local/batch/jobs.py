@@ -473,13 +473,6 @@ def scan_output(path: Path) -> OutputState:
     return state
 
 
-def done_ids(path: Path) -> set:
-    """Ids already in OUTPUT, after its fix-up (see :func:`scan_output`)."""
-    state = scan_output(path)
-    state.apply()
-    return state.ids
-
-
 _APPEND = os.O_WRONLY | os.O_APPEND | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
 
 

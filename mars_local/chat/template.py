@@ -426,6 +426,3 @@ class ChatTemplate:
 def _one_line(s: str) -> str:
     s = " ".join(str(s).split())
     return s if len(s) <= 300 else s[:297] + "..."
-
-
-from .tokens import tokenize_chat  # noqa: E402  (its home; imported here for callers of this module)

@@ -6,10 +6,8 @@ Pure (no llama.cpp): :class:`GenerateConfig` validates on construction;
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,10 +17,6 @@ from .errors import MarsError
 from .sampling import SamplingParams
 from .stats import SpecStats
 from .verify import VerifyConfig
-
-if TYPE_CHECKING:  # _Run's annotations only: core imports nothing outside core
-    from ..speculate.adaptive import AdaptiveK
-    from ..speculate.drafters import Drafter
 
 __all__ = ["GenerateConfig", "Chunk", "Generation", "Stream", "TokenLogprob", "MAX_DRAFT",
            "SETTINGS", "DEFAULTS", "Setting", "check"]
@@ -201,33 +195,3 @@ class Stream(Iterator[Chunk]):
         self.close()
 
 
-@dataclass
-class _Run:
-    """The state of one generation, shared by the steps of the loop."""
-
-    tokens: list[int]  # every committed token: prompt + generated (tokens[-1] is not in the target's cache)
-    cfg: GenerateConfig
-    vcfg: VerifyConfig
-    seed: int
-    drafter: Drafter
-    stats: SpecStats
-    ctrl: AdaptiveK | None
-    controls: object = None  # controls.Controls: penalties, EOG masking, grammar (window-aware)
-    stops: object = None  # controls.StopScanner
-    logits: object = None  # the latest window's rows (processed), for logprobs
-    generated: int = 0
-    decoder: codecs.IncrementalDecoder = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
-    )
-
-    def text(self, pieces: list[bytes]) -> tuple[str, int]:
-        """The text of new tokens (their UTF-8 ``pieces``) that may be shown now, and how
-        many of the tokens to keep: all, or up to the one that completes a stop string."""
-        if not self.stops.stops:
-            return self.decoder.decode(b"".join(pieces)), len(pieces)
-        out = []
-        for i, piece in enumerate(pieces):
-            out.append(self.stops.feed(self.decoder.decode(piece)))
-            if self.stops.stopped:
-                return "".join(out), i + 1
-        return "".join(out), len(pieces)

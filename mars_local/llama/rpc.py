@@ -187,7 +187,7 @@ def _lib():
 
 def devices() -> list[Device]:
     """Every device llama.cpp knows now (CPU, GPUs, registered RPC servers' devices)."""
-    from .runtime import init_backend
+    from .backend import init_backend
 
     init_backend()
     lib = _lib()
@@ -219,7 +219,7 @@ def rpc_devices(endpoints: tuple[str, ...]) -> list[Device]:
 
 def register(endpoints: tuple[str, ...], timeout: float = PROBE_TIMEOUT) -> list[Device]:
     """Probe then register each server with llama.cpp (once per process); their devices."""
-    from .runtime import init_backend
+    from .backend import init_backend
 
     init_backend()
     with _lock:

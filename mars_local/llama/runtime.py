@@ -8,10 +8,8 @@ valid only until the next decode on the same context.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import os
-import threading
 from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,57 +21,11 @@ from ..core.errors import MarsError
 from .gguf_file import check_gguf_file
 from ..core.tokens import common_prefix_len
 
-try:  # pragma: no cover - exercised by the import itself
-    import llama_cpp as _llama_pkg
-    from llama_cpp import llama_cpp as C
-except Exception as exc:  # pragma: no cover
-    raise ImportError(
-        "mars-local needs llama-cpp-python 0.3.36; run `make install` (it builds the patched sdist)"
-    ) from exc
+from .backend import C, LLAMA_CPP_PYTHON_VERSION, init_backend  # noqa: F401  (C: the ctypes API)
+from .backend import last_llama_error as _last_llama_error
+from .backend import recent_log as _recent_log
 
 __all__ = ["Model", "Context", "check_vocab_compatible", "backend_info", "build_fingerprint", "init_backend"]
-
-LLAMA_CPP_PYTHON_VERSION = getattr(_llama_pkg, "__version__", "unknown")
-
-# ----------------------------------------------------------------- logging
-_recent_log: collections.deque[str] = collections.deque(maxlen=40)
-
-
-@C.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - C calls it
-    try:
-        msg = text.decode("utf-8", errors="replace")
-    except Exception:
-        return
-    _recent_log.append(msg)
-
-
-# llama.cpp's log goes to _recent_log (for error messages), not the terminal,
-# from the moment this module is imported.
-C.llama_log_set(_log_callback, ctypes.c_void_p(0))
-
-_backend_lock = threading.Lock()
-_backend_started = False
-
-
-def init_backend() -> None:
-    """Start llama.cpp's backend (once per process, thread-safe): the first
-    :class:`Model` does it, so importing this module starts nothing."""
-    global _backend_started
-    if _backend_started:
-        return
-    with _backend_lock:
-        if not _backend_started:
-            C.llama_backend_init()
-            _backend_started = True
-
-
-def _last_llama_error() -> str:
-    for line in reversed(_recent_log):
-        line = line.strip()
-        if line and ("error" in line.lower() or "failed" in line.lower()):
-            return line
-    return ""
 
 
 def gpu_offload_supported() -> bool:

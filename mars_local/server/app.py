@@ -292,7 +292,7 @@ def _no_constants(name: str):
 
 
 def create_app(engine, settings: ServerSettings) -> FastAPI:
-    """The app over a loaded engine (an :class:`mars_local.protocol.EngineLike`)."""
+    """The app over a loaded engine (:class:`~mars_local.speculate.engine.Engine`, or a test double)."""
     srv = _Server(engine, settings)
 
     @contextlib.asynccontextmanager

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..core.config import Chunk, GenerateConfig, Generation, _Run
+from ..core.config import Chunk, GenerateConfig, Generation
+from .run import Run as _Run
 from ..core.errors import MarsError
 from ..core.stats import SpecStats
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView

@@ -31,7 +31,8 @@ from .controls import Controls, StopScanner
 from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
-from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, _Run, token_logprobs
+from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, token_logprobs
+from .run import Run as _Run
 from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from ..llama.rpc import placement
@@ -297,7 +298,8 @@ class Engine:
 
     @property
     def last_stats(self) -> SpecStats | None:
-        """The statistics of the latest stream (compatibility: prefer ``Stream.stats``)."""
+        """The statistics of the latest generation: the only way to read those of a
+        :meth:`generate` that raised (Ctrl-C in ``on_chunk``); a stream has its own ``stats``."""
         return self._last_stats
 
     def _check_idle(self) -> None:

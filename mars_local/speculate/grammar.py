@@ -388,7 +388,8 @@ def _init_grammar(C, vocab, text: bytes, root: bytes):
     process's stderr, not through the log callback: file descriptor 2 goes to a temporary
     file while it runs, so the user sees our one line only (anything else written there
     meanwhile is passed on)."""
-    from ..llama.runtime import _last_llama_error, _recent_log
+    from ..llama.backend import last_llama_error as _last_llama_error
+    from ..llama.backend import recent_log as _recent_log
 
     with _stderr_lock:
         _recent_log.clear()

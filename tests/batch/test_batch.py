@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mars_local.batch.jobs import done_ids
+from mars_local.batch.jobs import scan_output
 from mars_local.cli.main import app
 from mars_local.core.stats import SpecStats
 
@@ -201,6 +201,12 @@ def test_torn_last_line_is_cut_with_a_note(fake_engine, two, tmp_path):
     assert "incomplete last line" in r.stderr
     assert ids_in(out) == [1, 2]
     assert out.read_text().startswith(rec(1, "a") + '\n{"mars_batch": 1, "id": 2, "text": ')
+
+
+def done_ids(path):
+    state = scan_output(path)
+    state.apply()  # what a run does before it appends
+    return state.ids
 
 
 def test_done_ids_cuts_a_torn_line_and_completes_a_record(tmp_path):

@@ -198,3 +198,21 @@ def test_browsers_are_refused_unless_an_origin_is_allowed():
         assert "access-control-allow-origin" not in bad.headers
         r = c.post("/v1/chat/completions", json=CHAT, headers={**AUTH, "Origin": "http://localhost:3000"})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:3000"
+
+
+def test_response_format_json_gives_a_grammar():
+    from mars_local.server.requests import ApiError, parse_chat
+
+    D = GenerateConfig.make(max_tokens=-1, draft_max=8, temperature=0.0)
+
+    def chat(**fields):
+        return parse_chat({"messages": [{"role": "user", "content": "hi"}], **fields}, D)
+
+    g = chat(response_format={"type": "json_object"}).config.grammar
+    assert g and "root" in g
+    s = chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}})
+    assert 'a-kv ::= "\\"a\\""' in s.config.grammar
+    with pytest.raises(ApiError) as e:
+        chat(response_format={"type": "json_object"}, grammar="root ::= \"x\"")
+    assert e.value.param == "grammar"

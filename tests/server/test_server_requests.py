@@ -145,17 +145,6 @@ def test_completion_features_not_supported(field):
     assert e.value.param == field
 
 
-def test_response_format_json_gives_a_grammar():
-    pytest.importorskip("llama_cpp")
-    g = chat(response_format={"type": "json_object"}).config.grammar
-    assert g and "root" in g
-    s = chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}})
-    assert 'a-kv ::= "\\"a\\""' in s.config.grammar
-    with pytest.raises(ApiError) as e:
-        chat(response_format={"type": "json_object"}, grammar="root ::= \"x\"")
-    assert e.value.param == "grammar"
-
 
 # ---------------------------------------------------------------- responses
 def stats(**kw) -> SpecStats:
