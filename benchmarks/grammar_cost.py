@@ -69,7 +69,8 @@ def families():
 def measure(model, text: str, row):
     import numpy as np
 
-    from mars_local.speculate.grammar import GrammarState, _init_grammar, check_grammar_text, grammar_cost
+    from mars_local.speculate.grammar import GrammarState, _init_grammar
+    from mars_local.speculate.grammar_check import check_grammar_text, grammar_cost
 
     t0 = time.thread_time()
     try:

@@ -20,7 +20,8 @@ import time
 
 def forward_costs(path: str, windows, reps: int = 5, threads: int | None = 2, exact: bool = True,
                   prompt_len: int = 481, n_ctx: int = 1024) -> dict:
-    from mars_local.llama.runtime import Context, Model
+    from mars_local.llama.context import Context
+    from mars_local.llama.runtime import Model
 
     m = Model(path, None, exact_kernels=exact)
     ctx = Context(m, n_ctx=n_ctx, n_threads=threads)

@@ -35,6 +35,7 @@ PURE = [
     "mars_local.chat.tokens",
     "mars_local.models.hub",
     "mars_local.chat.session",
+    "mars_local.batch",
     "mars_local.batch.jobs",
     "mars_local.models.registry",
 ]

@@ -1,7 +1,7 @@
 """`mars batch`: scripted generation over a JSONL file, resumable.
 
 The records, their validation, the output's safety rules and the runner are
-in :mod:`mars_local.batch.jobs` (its docstring states the policies); this module
+in :mod:`mars_local.batch` (its docstring states the policies); this module
 parses flags, renders progress and warnings, and writes the output lines.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 from typer import echo
 
-from ..batch import jobs as B
+from .. import batch as B
 from . import flags as opt
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
@@ -94,6 +94,11 @@ class _Tally:
 
     skipped: int = 0
     written: int = 0
+    writer: object = None  # the RecordWriter: its count is exact even when Ctrl-C lands mid-record
+
+    @property
+    def n_written(self) -> int:
+        return self.writer.written if self.writer is not None else self.written
     tokens: int = 0
     accepted: int = 0
     drafted: int = 0
@@ -136,9 +141,9 @@ def _batch(output: str, lock, name: str, lines: list, base, gen, choice, strict:
         _generate(output, lock, todo, state, gen, choice, strict, tally, parallel)
     except KeyboardInterrupt:
         if to_stdout:
-            msg = f"interrupted: {tally.written}/{len(todo)} records written to standard output"
+            msg = f"interrupted: {tally.n_written}/{len(todo)} records written to standard output"
         else:
-            done = len(records) - len(todo) + tally.written
+            done = len(records) - len(todo) + tally.n_written
             msg = f"interrupted: {done}/{len(records)} records written to {output}; rerun the same command to resume"
         echo(msg, err=True)
         raise typer.Exit(130) from None
@@ -161,7 +166,7 @@ def _generate(output: str, lock, todo: list, state, gen, choice, strict: bool, t
 
     eng = gen.engine(choice)
     if parallel == 0:
-        from ..speculate.batched import auto_parallel
+        from ..speculate.batch_cost import auto_parallel
 
         parallel = auto_parallel(eng)
     parallel = min(parallel, len(todo))
@@ -173,7 +178,7 @@ def _generate(output: str, lock, todo: list, state, gen, choice, strict: bool, t
             note = state.apply()
             if note:
                 echo(f"note: {note}", err=True)
-            writer = B.RecordWriter(lock)
+            writer = tally.writer = B.RecordWriter(lock)
         console = Console(stderr=True)  # standard output is for the records (-o -) or a pipe
         with Progress(
             TextColumn("[bold]batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),

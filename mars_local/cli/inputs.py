@@ -70,7 +70,8 @@ def grammar_option(grammar: Optional[str], json_schema: Optional[str], fmt: Opti
     --json-schema FILE|JSON or --format json; at most one of them.  Inline text that is
     not UTF-8 has its bad bytes replaced (one warning, as every text argument); the
     grammar's size and complexity are checked here, before any model loads."""
-    from ..speculate.grammar import check_grammar_text, is_inline_json, load_grammar_option
+    from ..speculate.grammar import is_inline_json, load_grammar_option
+    from ..speculate.grammar_check import check_grammar_text
 
     if grammar is not None and "::=" in grammar and not is_file_path(grammar):
         others = [n for n, v in (("--json-schema", json_schema), ("--format", fmt)) if v is not None]

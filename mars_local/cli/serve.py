@@ -73,7 +73,7 @@ def serve(
         raise
     try:
         if parallel == 0:
-            from ..speculate.batched import auto_parallel
+            from ..speculate.batch_cost import auto_parallel
 
             parallel = auto_parallel(eng)
         _serve(eng, sock, choice, cfg, host=host, alias=alias, api_key=api_key, queue=queue, quiet=quiet,

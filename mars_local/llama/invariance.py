@@ -9,7 +9,8 @@ import os
 
 import numpy as np
 
-from .runtime import Context, Model
+from .context import Context
+from .runtime import Model
 
 __all__ = ["batch_invariance"]
 

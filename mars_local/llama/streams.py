@@ -1,7 +1,7 @@
 """Many sequences in one llama.cpp context, each in its own KV stream.
 
 :class:`MultiContext` holds up to ``n_seq`` sequences; :meth:`MultiContext.seq`
-gives a :class:`SeqView` with the interface of :class:`~mars_local.llama.runtime.Context`
+gives a :class:`SeqView` with the interface of :class:`~mars_local.llama.context.Context`
 (``tokens``, ``n_past``, ``n_ctx``, ``eval``, ``truncate``, ``sync``) for one
 sequence, so the per-sequence steps of the speculative loop run unchanged on it;
 :meth:`MultiContext.decode_windows` evaluates the windows of many sequences in as
@@ -37,13 +37,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
-from .runtime import C, Model, context_params, create_context
+from .backend import C
+from .context import context_params, create_context
+from .runtime import Model
 
 __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView"]
 
-MAX_INVARIANT_ROWS = 64  # rows one decode may carry with every row computed as alone (patches/0002, 0003)
+# rows one decode may carry with every row computed as alone (patches/0002, 0003): a verify window's bound
+MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
 
 
 class MultiContext:

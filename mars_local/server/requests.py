@@ -187,7 +187,7 @@ def _response_format(body: dict) -> str | None:
     rf = _field(body, "response_format", (dict,))
     grammar = _field(body, "grammar", (str,))
     if grammar is not None:
-        from ..speculate.grammar import check_grammar_text
+        from ..speculate.grammar_check import check_grammar_text
 
         try:  # cheap (linear), before the request waits in the queue: no grammar holds the engine
             check_grammar_text(grammar)

@@ -47,108 +47,16 @@ from .run import Run as _Run
 from ..core.errors import MarsError
 from ..core.stats import SpecStats
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView
-from .adaptive import AdaptiveK, expected_tokens
+from .adaptive import expected_tokens
+from .batch_cost import BatchCost, choose_window
+from .lockstep import DraftSteps
 from .controls import Controls, StopScanner
 from .drafters import EMPTY_DRAFT, Draft
 from .grammar import GrammarState
 
-__all__ = ["Scheduler", "BatchStream", "choose_window", "BatchCost", "auto_parallel"]
+__all__ = ["Scheduler", "BatchStream"]
 
 CALIBRATION_ROWS = (1, 4, 16, 64)
-
-
-# ------------------------------------------------------------ the choice
-def choose_window(accepts: Sequence[Sequence[float]], costs: Sequence[float], k_max: int) -> int:
-    """The round's draft length k (pure).
-
-    ``accepts[i]``: the estimated acceptance of each token of sequence i's draft
-    (its length caps what it can gain); ``costs[R - 1]``: seconds of one forward of
-    R rows.  Returns argmax over k = 0..k_max of sum_i E_i[tokens | k] / costs[n(k+1) - 1],
-    where E_i is the expected accepted prefix of min(k, len) drafts plus one token.
-    """
-    n = len(accepts)
-    if n == 0:
-        return 0
-    best_k, best = 0, -1.0
-    for k in range(0, k_max + 1):
-        rows = n * (k + 1)
-        if rows > len(costs):
-            break
-        tokens = sum(expected_tokens(list(a[:k]), min(k, len(a))) if k and len(a) else 1.0 for a in accepts)
-        rate = tokens / costs[rows - 1]
-        if rate > best * 1.0001:
-            best_k, best = k, rate
-    return best_k
-
-
-@dataclass
-class BatchCost:
-    """Seconds of a target forward of R rows, R = 1..max_rows: decayed means of the
-    forwards timed, a line through them elsewhere, a prior before any."""
-
-    max_rows: int = MAX_INVARIANT_ROWS
-    decay: float = 0.95
-    _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
-    _warm: set = field(default_factory=set)
-
-    def observe(self, rows: int, seconds: float) -> None:
-        if rows not in self._warm:  # a new batch shape builds its graph once: not timed
-            self._warm.add(rows)
-            return
-        slot = self._time.setdefault(rows, [0.0, 0.0])
-        slot[0] = slot[0] * self.decay + seconds
-        slot[1] = slot[1] * self.decay + 1.0
-
-    _draft: list = field(default_factory=lambda: [0.0, 0.0])  # decayed draft seconds, tokens
-
-    def observe_draft(self, n_tokens: int, seconds: float) -> None:
-        if n_tokens > 0:
-            d = self._draft
-            d[0], d[1] = d[0] * self.decay + seconds, d[1] * self.decay + n_tokens
-
-    def draft_cost(self, prior: float = 0.0) -> float:
-        t, n = self._draft
-        return t / n if n > 0.5 else prior
-
-    def costs(self, prior: AdaptiveK | None = None) -> list[float]:
-        seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05}
-        lone = prior.target_costs(self.max_rows) if prior is not None else None
-        if len(seen) < 2:
-            if lone is not None:  # a lone window of R rows costs about what R rows of a batch cost
-                return [seen.get(r, lone[r - 1]) for r in range(1, self.max_rows + 1)]
-            t1 = seen.get(1) or next(iter(seen.values()), 1.0)
-            return [t1 * (1.0 + 0.3 * (r - 1)) for r in range(1, self.max_rows + 1)]
-        xs = sorted(seen)
-        out = []
-        for r in range(1, self.max_rows + 1):
-            if r in seen:
-                out.append(seen[r])
-                continue
-            lo = max((x for x in xs if x < r), default=None)
-            hi = min((x for x in xs if x > r), default=None)
-            if lo is None:
-                lo, hi = xs[0], xs[1]
-            elif hi is None:
-                lo, hi = xs[-2], xs[-1]
-            slope = max(0.0, (seen[hi] - seen[lo]) / (hi - lo))
-            out.append(max(seen[lo] + slope * (r - lo), 1e-9))
-        return out
-
-
-def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
-    """The default --parallel: ``cap`` sequences (8: on a CPU a forward of 8 rows costs about
-    3 single rows, and beyond 8 sequences the 64-row invariant bound leaves no room for
-    drafts), fewer when their KV caches (target and draft) would take over half the free memory."""
-    from ..llama.runtime import _available_memory, kv_cache_bytes
-
-    n_ctx_seq = n_ctx_seq or engine.n_ctx
-    per_seq = kv_cache_bytes(engine.target, n_ctx_seq)
-    if engine.draft_model is not None:
-        per_seq += kv_cache_bytes(engine.draft_model, n_ctx_seq)
-    avail = None if engine.target.offloaded else _available_memory()
-    if avail is None or per_seq <= 0:
-        return cap
-    return max(1, min(cap, int(avail * 0.5 // per_seq)))
 
 
 # ------------------------------------------------------------ sequences
@@ -429,7 +337,7 @@ class Scheduler:
         return drafts
 
     def _draft_lockstep(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
-        steps = [_DraftSteps(s) for s in seqs]
+        steps = [DraftSteps(s) for s in seqs]
         live = [st for st, cap in zip(steps, caps) if cap > 0 and st.s.run.cfg.draft_max > 0 and not st.s.done]
         for st, cap in zip(steps, caps):
             st.k = cap
@@ -496,7 +404,7 @@ class Scheduler:
             keys = d.keys if d.keys is not None else [None] * len(d)
             for i in range(min(res.n_accepted + 1, len(d))):
                 run.ctrl.observe_shadow(i < res.n_accepted, keys[i])
-        chunk = self._emit(s, len(d), res)
+        chunk = s.run.emit(s.view, self.eng.target, len(d), res)
         if chunk is not None:
             s.chunks.append(chunk)
         if stats.stop_reason in ("eog", "stop", "length", "context"):
@@ -504,44 +412,10 @@ class Scheduler:
 
     # ------------------------------------------------- per-sequence steps
     def _draft_cap(self, s: _Seq) -> int | None:
-        run = s.run
-        remaining = (1 << 30) if run.cfg.unlimited else run.cfg.max_tokens - run.generated
-        if remaining <= 0:
-            run.stats.stop_reason = "length"
+        cap = s.run.draft_cap(s.view, MAX_INVARIANT_ROWS - 1)
+        if cap is None:
             self._end(s)
-            return None
-        room = s.view.n_ctx - s.view.n_past - 1
-        if room < 0:
-            run.stats.stop_reason = "context"
-            self._end(s)
-            return None
-        return max(0, min(run.cfg.draft_max, remaining - 1, room))
-
-    def _emit(self, s: _Seq, k: int, res) -> Chunk | None:
-        from ..core.config import token_logprobs
-
-        run, target = s.run, self.eng.target
-        stats, new = run.stats, res.tokens
-        kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
-        stop = None
-        for i, t in enumerate(new):
-            if target.is_eog(t):
-                new, kinds, stop = new[:i], kinds[:i], "eog"
-                break
-        run.controls.commit(new)
-        text, n = run.text([target.piece(t) for t in new])
-        if run.stops.stopped:
-            new, kinds, stop = new[:n], kinds[:n], "stop"
-        stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
-        run.generated += len(new)
-        if stop:
-            stats.stop_reason = stop
-        elif not run.cfg.unlimited and run.generated >= run.cfg.max_tokens:
-            stats.stop_reason = "length"
-        elif s.view.n_ctx - s.view.n_past - 1 < 0:
-            stats.stop_reason = "context"
-        logprobs = token_logprobs(run.logits, new, run.cfg.logprobs) if run.cfg.logprobs else None
-        return Chunk(list(new), text, kinds, logprobs) if new or text else None
+        return cap
 
     def _end(self, s: _Seq) -> None:
         """Finish a sequence: the text held back (stop strings, split characters), final stats."""
@@ -549,9 +423,9 @@ class Scheduler:
             return
         run = s.run
         try:
-            tail = run.stops.feed(run.decoder.decode(b"", final=True)) + run.stops.flush()
-            if tail:
-                s.chunks.append(Chunk([], tail, [], [] if run.cfg.logprobs else None))
+            tail = run.tail()
+            if tail is not None:
+                s.chunks.append(tail)
         finally:
             run.controls.close()
             run.stats.time_total_s = time.perf_counter() - s.t_start if s.t_start else 0.0
@@ -592,59 +466,6 @@ class Scheduler:
         for mc in (self.mc, self.dmc):
             if mc is not None:
                 mc.close()
-
-
-class _DraftSteps:
-    """One sequence's draft made a token at a time by the lockstep drafter: the decisions of
-    :class:`~mars_local.speculate.drafters.ModelDrafter` (draft sampling, p_min, the target's
-    controls on the draft's rows, confidence keys) on rows the scheduler decodes for all."""
-
-    def __init__(self, s: _Seq):
-        d, run = s.run.drafter, s.run
-        self.s, self.k = s, 0
-        self.out: list[int] = []
-        self.probs: list = []
-        self.keys: list[str] = []
-        self.sampled = d.sampling == "sample" and not d.params.greedy
-        self.win = run.controls.window(run.tokens) if run.controls.active else None
-        d._base = s.dview.n_past
-
-    def push(self, row: np.ndarray) -> bool:
-        """Decide the next draft token from ``row``; True to draft one more."""
-        from ..core.sampling import position_uniforms, probabilities, sample_from, top_probability
-        from .adaptive import confidence_key
-
-        d, tokens = self.s.run.drafter, self.s.run.tokens
-        row = np.array(row, dtype=np.float32)
-        if len(self.out) >= min(self.k, self.s.dview.n_ctx - len(tokens) - 1):
-            return False
-        if self.win is not None:
-            self.win.apply(row, 0 if d.p_min > 0.0 else None)
-            if not np.isfinite(row.max()):
-                return False
-        p_top = top_probability(row)
-        if p_top < d.p_min:
-            return False
-        if self.sampled:
-            q = probabilities(row, d.params)
-            tok = sample_from(q, position_uniforms(d.seed, len(tokens) + len(self.out), 1, stream=1)[0, 0])
-        else:
-            tok = int(row.argmax())
-        if self.win is not None and not self.win.push(tok, row):
-            return False
-        if self.sampled:
-            self.probs.append(q)
-        self.out.append(tok)
-        self.keys.append(confidence_key(p_top))
-        return len(self.out) < self.k
-
-    def draft(self) -> Draft:
-        if self.win is not None:
-            self.win.close()
-        n_min = max(self.s.run.drafter.n_min, 1)
-        if len(self.out) < n_min:
-            return EMPTY_DRAFT
-        return Draft(self.out, np.stack(self.probs) if self.sampled else None, self.keys)
 
 
 def _cut(d: Draft, k: int) -> Draft:

@@ -31,12 +31,13 @@ from .controls import Controls, StopScanner
 from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
-from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream, token_logprobs
+from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream
 from .run import Run as _Run
 from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from ..llama.rpc import placement
-from ..llama.runtime import Context, Model, build_fingerprint, check_vocab_compatible
+from ..llama.context import Context
+from ..llama.runtime import Model, build_fingerprint, check_vocab_compatible
 from ..core.sampling import position_uniforms
 from ..core.stats import SpecStats
 from ..core.verify import VerifyResult, verify
@@ -363,9 +364,9 @@ class Engine:
         # Invariant at the top of every round: the target cache holds exactly
         # tokens[:-1]; the draft cache (a draft model's) holds a prefix of
         # tokens[:-1] (the drafter evaluates the rest when it next proposes).
-        while (k_cap := self._draft_cap(run)) is not None:
+        while (k_cap := run.draft_cap(self._ctx, self._k_limit)) is not None:
             t0 = clock()
-            draft, shadow, drafted = self._choose_draft(run, k_cap)
+            draft, shadow, drafted = run.choose_draft(k_cap)
             # draft cache: tokens + d_0 .. d_{k-2} at most (the last draft is never evaluated)
             t1 = clock()
             base = self._ctx.n_past  # == len(tokens) - 1
@@ -390,14 +391,14 @@ class Engine:
                 run.ctrl.observe(len(draft), res.n_accepted, t2 - t1, t_draft, draft.keys, drafted=drafted)
                 if shadow is not None:
                     run.ctrl.observe_shadow(shadow.tokens[0] == res.tokens[0], shadow.keys[0])
-            chunk = self._emit(run, len(draft), res)
+            chunk = run.emit(self._ctx, self.target, len(draft), res)
             if chunk is not None:
                 yield chunk
             if stats.stop_reason in ("eog", "stop"):
                 break
-        tail = run.stops.feed(run.decoder.decode(b"", final=True)) + run.stops.flush()
-        if tail:
-            yield Chunk([], tail, [], [] if run.cfg.logprobs else None)
+        tail = run.tail()
+        if tail is not None:
+            yield tail
 
     def _begin(self, run: _Run, t_start: float) -> None:
         """Bring both caches to the prompt minus its last token (reusing what they
@@ -409,53 +410,6 @@ class Engine:
         stats.time_prompt_s = time.perf_counter() - t_start
         if run.ctrl is not None:
             stats.time_calibrate_s = calibrate(run.ctrl, self._ctx, tokens[-1])  # the cache is left unchanged
-
-    def _draft_cap(self, run: _Run) -> int | None:
-        """The longest draft this round may have, or None (with the stop reason
-        set) when the generation is done: max_tokens reached or no room left."""
-        remaining = MAX_DRAFT + 1 if run.cfg.unlimited else run.cfg.max_tokens - run.generated
-        if remaining <= 0:
-            run.stats.stop_reason = "length"
-            return None
-        room = self._ctx.n_ctx - self._ctx.n_past - 1  # rows that fit after `last`
-        if room < 0:
-            run.stats.stop_reason = "context"
-            return None
-        return min(run.cfg.draft_max, self._k_limit, remaining - 1, room)
-
-    def _choose_draft(self, run: _Run, k_cap: int) -> tuple[Draft, Draft | None, int]:
-        """This round's draft (at most k_cap tokens); a proposal the controller
-        cut to nothing, whose first token is still worth comparing ("shadow");
-        and the number of tokens a costly drafter made (trimmed ones count)."""
-        drafter, ctrl, tokens = run.drafter, run.ctrl, run.tokens
-        shadow, drafted = None, 0
-        if ctrl is None:
-            draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
-        elif drafter.cheap:
-            # Proposing is free: propose first, then let the controller cut
-            # the draft knowing its keys (n-gram match lengths; None: pooled).
-            full = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
-            keys = (full.keys or []) if drafter.gives_keys else [None] * len(full)
-            k = ctrl.choose(k_cap, keys)
-            draft = Draft(full.tokens[:k], keys=keys[:k]) if k else EMPTY_DRAFT
-            if not k and full.tokens:
-                shadow = Draft(full.tokens, keys=keys)  # its first token is compared with the target's, for free
-        elif (k := ctrl.choose(k_cap)) > 0:
-            # A costly drafter that gives keys (a draft model: its confidence)
-            # drafts token by token until the controller, seeing each key, says
-            # more would not pay; trailing drafts not worth their verify rows are cut.
-            extend = (lambda keys: ctrl.extend(keys, k_cap)) if drafter.gives_keys else None
-            full = drafter.propose(tokens, k_cap if extend else k, extend=extend)
-            drafted = len(full)
-            m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
-            draft = full if m == drafted else Draft(
-                full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]
-            )
-        else:
-            draft = EMPTY_DRAFT
-        if len(draft) < run.cfg.draft_min:
-            draft = EMPTY_DRAFT
-        return draft, shadow, drafted
 
     def _target_forward(self, last: int, draft: Draft) -> np.ndarray:
         """One batched target decode of the window [last, d_0 .. d_{k-1}]: k+1 rows of logits."""
@@ -476,32 +430,6 @@ class Engine:
         self._ctx.truncate(base + 1 + res.n_accepted)
         run.tokens.extend(res.tokens)
         run.drafter.observe(run.tokens, res.n_accepted)
-
-    def _emit(self, run: _Run, k: int, res: VerifyResult) -> Chunk | None:
-        """The round's chunk (cut before an end-of-generation token), its
-        statistics, and the stop reason when this is the last round: it is
-        known before the chunk is yielded (a consumer may stop at it)."""
-        stats, new = run.stats, res.tokens
-        kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
-        stop = None
-        for i, t in enumerate(new):
-            if self.target.is_eog(t):
-                new, kinds, stop = new[:i], kinds[:i], "eog"
-                break
-        run.controls.commit(new)
-        text, n = run.text([self.target.piece(t) for t in new])
-        if run.stops.stopped:
-            new, kinds, stop = new[:n], kinds[:n], "stop"
-        stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
-        run.generated += len(new)
-        if stop:
-            stats.stop_reason = stop
-        elif not run.cfg.unlimited and run.generated >= run.cfg.max_tokens:
-            stats.stop_reason = "length"
-        elif self._ctx.n_ctx - self._ctx.n_past - 1 < 0:
-            stats.stop_reason = "context"
-        logprobs = token_logprobs(run.logits, new, run.cfg.logprobs) if run.cfg.logprobs else None
-        return Chunk(list(new), text, kinds, logprobs) if new or text else None
 
     def generate(
         self,

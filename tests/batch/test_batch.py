@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mars_local.batch.jobs import scan_output
+from mars_local.batch import scan_output
 from mars_local.cli.main import app
 from mars_local.core.stats import SpecStats
 

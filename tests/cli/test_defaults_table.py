@@ -50,7 +50,7 @@ SCRIPT = textwrap.dedent("""
     from mars_local import GenerateConfig, SamplingParams, VerifyConfig
     from mars_local.bench.config import BenchSettings
     from mars_local.cli.main import app
-    from mars_local.llama.runtime import Context, context_params
+    from mars_local.llama.context import Context, context_params
     from mars_local.server.app import ServerSettings
     from mars_local.speculate.drafters import NgramDrafter
     from mars_local.speculate.engine import Engine

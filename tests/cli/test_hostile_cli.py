@@ -127,7 +127,7 @@ def test_serve_refuses_to_start_with_an_invalid_grammar(tiny_target, env):
 
 # ------------------------------------------------------------ 2. grammars too costly
 def test_a_grammar_with_too_many_open_alternatives_is_refused():
-    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES
+    from mars_local.speculate.grammar_check import MAX_GRAMMAR_ALTERNATIVES
 
     over = "root ::= " + " | ".join(f'"{w}"' for w in many(MAX_GRAMMAR_ALTERNATIVES + 1))
     with pytest.raises(MarsError) as ei:
@@ -154,7 +154,7 @@ def test_a_grammar_with_too_many_open_alternatives_is_refused():
 
 def test_wildcard_led_alternatives_weigh_more():
     """A token is walked through the wildcards of every open alternative before it is refused."""
-    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
+    from mars_local.speculate.grammar_check import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
 
     plain = grammar_cost('root ::= "a" | "b"').alternatives
     dots = grammar_cost('root ::= . . . "a" | . . . "b"').alternatives
@@ -166,7 +166,7 @@ def test_wildcard_led_alternatives_weigh_more():
 
 def test_many_rules_in_sequence_are_not_complex():
     """What costs is alternatives open at once, not the grammar's size or its count of '|'."""
-    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
+    from mars_local.speculate.grammar_check import MAX_GRAMMAR_ALTERNATIVES, grammar_cost
 
     n = 4 * MAX_GRAMMAR_ALTERNATIVES
     seq = "root ::= " + " ".join(f"r{i}" for i in range(n)) + "\n" + "\n".join(f'r{i} ::= "a" | "b"' for i in range(n))
@@ -187,7 +187,7 @@ def test_an_exponential_grammar_is_refused():
 
 def test_repetitions_that_expand_past_the_limit_are_refused():
     """x{m,n} is n copies of x: a short text can ask llama.cpp for billions of elements."""
-    from mars_local.speculate.grammar import MAX_GRAMMAR_ELEMENTS
+    from mars_local.speculate.grammar_check import MAX_GRAMMAR_ELEMENTS
 
     size = MAX_GRAMMAR_ELEMENTS // 1000 + 1
     with pytest.raises(MarsError, match="too large") as ei:
@@ -199,7 +199,7 @@ def test_repetitions_that_expand_past_the_limit_are_refused():
 
 
 def test_a_costly_grammar_is_refused_before_the_model_loads(tmp_path, env):
-    from mars_local.speculate.grammar import MAX_GRAMMAR_ALTERNATIVES
+    from mars_local.speculate.grammar_check import MAX_GRAMMAR_ALTERNATIVES
 
     over = "root ::= " + " | ".join(f'"{w}"' for w in many(MAX_GRAMMAR_ALTERNATIVES + 1))
     g = tmp_path / "big.gbnf"

@@ -313,7 +313,7 @@ def test_context_sizes_are_reported(tiny_target):
 
 
 def test_a_context_that_cannot_be_allocated_is_one_line(tiny_target, monkeypatch):
-    from mars_local.llama import runtime
+    from mars_local.llama import context as runtime  # the context owns the memory checks
 
     monkeypatch.setattr(runtime, "_available_memory", lambda: 1 << 30)  # never try a real allocation
     for n in (10_000_000, 2**40):

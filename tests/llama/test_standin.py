@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mars_local.llama.runtime import Context, Model
+from mars_local.llama.context import Context
+from mars_local.llama.runtime import Model
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 
 from mars_local import Engine
-from mars_local.llama.runtime import Context, Model
+from mars_local.llama.context import Context
+from mars_local.llama.runtime import Model
 from mars_local.llama.streams import MultiContext
-from mars_local.speculate.batched import BatchCost, Scheduler, choose_window
+from mars_local.speculate.batch_cost import BatchCost, choose_window
+from mars_local.speculate.batched import Scheduler
 
 PROMPTS = [f"item {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 4) + "and" * (i % 3)
            for i in range(8)]

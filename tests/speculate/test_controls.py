@@ -318,7 +318,7 @@ def test_rows_read_by_the_loop():
 
 
 def test_grammars_too_deep_for_llama_cpp_are_refused_before_it_parses_them(plain):
-    from mars_local.speculate.grammar import MAX_GRAMMAR_DEPTH, check_grammar_text
+    from mars_local.speculate.grammar_check import MAX_GRAMMAR_DEPTH, check_grammar_text
 
     deep = "root ::= " + "(" * 40_000 + '"a"' + ")" * 40_000  # llama.cpp's parser would crash on it
     with pytest.raises(MarsError, match="nested deeper"):

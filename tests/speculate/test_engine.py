@@ -7,7 +7,8 @@ import pytest
 from scipy.stats import chisquare
 
 from mars_local import Engine, MarsError
-from mars_local.llama.runtime import Context, Model
+from mars_local.llama.context import Context
+from mars_local.llama.runtime import Model
 from mars_local.core.sampling import SamplingParams, probabilities
 
 PROMPTS = ["hello world", "the a the a the", "w1 w2 w3 w4 w5", "!", "hello the world a hello"]

@@ -1,0 +1,264 @@
+"""A llama.cpp context over one :class:`~mars_local.llama.runtime.Model`: its size and memory
+checks, its batch, the mirror of the tokens in its KV cache (so rollback and prefix reuse are
+exact), and logits as zero-copy numpy views valid until the next decode."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.defaults import DEFAULTS, SETTINGS, check
+from ..core.errors import MarsError
+from ..core.tokens import common_prefix_len
+from .backend import C
+from .backend import last_llama_error as _last_llama_error
+from .backend import recent_log as _recent_log
+from .runtime import Model, default_threads
+
+__all__ = ["Context", "context_params", "create_context", "kv_cache_bytes", "KV_TYPES", "MAX_CTX"]
+
+
+# ----------------------------------------------------------------- context
+KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
+_KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+MAX_CTX = SETTINGS["n_ctx"].hi  # llama.cpp's positions are 32-bit; no model comes near this
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def kv_cache_bytes(model: Model, n_ctx: int, kv_type: str = "f16") -> int:
+    """Estimated KV-cache size of a context: exact for standard attention, an
+    upper bound for sliding-window models (llama.cpp pads n_ctx to 256)."""
+    m = model._model
+    n_layer = int(C.llama_model_n_layer(m))
+    n_head = max(int(C.llama_model_n_head(m)), 1)
+    n_head_kv = int(C.llama_model_n_head_kv(m))
+    head_k = head_v = int(C.llama_model_n_embd(m)) // n_head
+    arch = model.meta("general.architecture")
+    if arch:
+        for key in ("key_length", "value_length"):
+            val = model.meta(f"{arch}.attention.{key}")
+            if val and val.isdigit():
+                if key == "key_length":
+                    head_k = int(val)
+                else:
+                    head_v = int(val)
+    padded = -(-int(n_ctx) // 256) * 256
+    return int(padded * n_layer * n_head_kv * (head_k + head_v) * _KV_BYTES.get(kv_type, 2.0))
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class _CtxInfo:
+    requested: int  # the context size asked for (0 resolved to the training context)
+    n_ctx: int
+    n_batch: int
+    n_threads: int
+    kv_bytes: int
+
+
+def context_params(model: Model, n_ctx, n_batch: int = DEFAULTS.n_batch, n_threads: int | None = None,
+                   flash_attn: bool | None = None, kv_type: str = "f16"):
+    """llama_context_params for ``model`` (checked: size, KV type, memory) and what they resolve to.
+
+    Shared by :class:`Context` and :class:`~mars_local.llama.streams.MultiContext`
+    (which sets n_seq_max and kv_unified on the result)."""
+    if n_ctx is None:
+        n_ctx = 0
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, (int, np.integer)):
+        raise MarsError(f"the context size must be a whole number of tokens, got {n_ctx!r}")
+    n_ctx = int(n_ctx)
+    if n_ctx < 0:
+        raise MarsError(
+            f"the context size must be >= 0 (0: the model's training context, {model.n_ctx_train}), got {n_ctx}"
+        )
+    # 0 means the training context (llama.cpp's convention); a larger size
+    # than the training context is allowed, as in llama.cpp (callers warn).
+    requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else DEFAULTS.n_ctx)
+    check("n_ctx", requested)  # at most MAX_CTX: the table's limit (core.defaults)
+    n_ctx = max(16, requested)
+    if kv_type not in KV_TYPES:
+        raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+    kv_bytes = 0 if model.recurrent else kv_cache_bytes(model, n_ctx, kv_type)
+    # On the CPU llama.cpp clears the whole cache when it allocates it, so a
+    # cache larger than the free memory would swap or be OOM-killed: refuse
+    # it first.  (A sliding-window model needs less than the estimate.)
+    avail = None if model.offloaded or C.llama_model_n_swa(model._model) > 0 else _available_memory()
+    if avail is not None and kv_bytes > avail:
+        raise MarsError(
+            f"a context of {requested:,} tokens needs about {_gib(kv_bytes)} of KV cache, more than the "
+            f"{_gib(avail)} of memory available; use a smaller -c"
+        )
+    n_batch = max(1, min(int(n_batch), n_ctx))
+    threads = int(n_threads) if n_threads else default_threads()
+    cp = C.llama_context_default_params()
+    cp.n_ctx = n_ctx
+    cp.n_batch = n_batch
+    cp.n_ubatch = n_batch
+    cp.n_threads = threads
+    cp.n_threads_batch = threads
+    cp.no_perf = True
+    if flash_attn is not None:
+        cp.flash_attn_type = 1 if flash_attn else 0
+    cp.type_k = cp.type_v = KV_TYPES[kv_type]
+    return cp, _CtxInfo(requested, n_ctx, n_batch, threads, kv_bytes)
+
+
+def create_context(model: Model, cp, info: _CtxInfo):
+    """llama_init_from_model, or a one-line MarsError with llama.cpp's reason."""
+    _recent_log.clear()
+    ctx = C.llama_init_from_model(model._model, cp)
+    if not ctx:
+        reason = _last_llama_error()
+        size = f" (its KV cache needs about {_gib(info.kv_bytes)})" if info.kv_bytes else ""
+        raise MarsError(
+            f"cannot create a llama.cpp context of {cp.n_ctx:,} tokens{size}" + (f": {reason}" if reason else "")
+            + "; use a smaller -c"
+        )
+    return ctx
+
+
+class Context:
+    """One llama_context with its batch, its KV token mirror and logits views.
+
+    flash_attn: None lets llama.cpp decide; kv_type: "f16" (default), "f32" or
+    "q8_0" (a quantized V cache needs flash attention).  Flash attention off
+    with an f32 cache makes logits independent of how tokens were batched to
+    about 1e-5, which the KV-rollback test relies on.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        n_ctx: int = DEFAULTS.n_ctx,
+        n_batch: int = DEFAULTS.n_batch,
+        n_threads: int | None = None,
+        flash_attn: bool | None = None,
+        kv_type: str = "f16",
+    ):
+        self.model = model
+        cp, info = context_params(model, n_ctx, n_batch, n_threads, flash_attn, kv_type)
+        self.n_ctx_requested = info.requested
+        self._ctx = create_context(model, cp, info)
+        n_batch, threads = info.n_batch, info.n_threads
+        self.n_ctx = int(C.llama_n_ctx(self._ctx))
+        self.n_batch = n_batch
+        self.n_threads = threads
+        self.mem = C.llama_get_memory(self._ctx)
+        self.n_vocab = model.n_vocab
+        self._batch = C.llama_batch_init(n_batch, 0, 1)
+        b = self._batch
+        for i in range(n_batch):  # every row belongs to sequence 0
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+        self._tok = np.ctypeslib.as_array(b.token, shape=(n_batch,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
+        self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(n_batch,))
+        self.tokens: list[int] = []  # mirror of the KV cache, positions 0..len-1
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def _decode(self, tokens, n_out: int) -> None:
+        if not self._ctx:
+            raise MarsError("this context was closed (Engine.close() during a generation?)")
+        n = len(tokens)
+        start = len(self.tokens)
+        self._tok[:n] = tokens
+        self._pos[:n] = np.arange(start, start + n)
+        self._out[:n] = 0
+        if n_out:
+            self._out[n - n_out : n] = 1
+        self._batch.n_tokens = n
+        rc = C.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            # llama.cpp removed this batch's positions; keep the mirror in step.
+            C.llama_memory_seq_rm(self.mem, 0, start, -1)
+            if rc == 1:
+                raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        self.tokens.extend(int(t) for t in tokens)
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """Zero-copy (n_rows, V) view of the last decode's output rows."""
+        ptr = C.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+
+    def eval(self, tokens, n_out: int = 1) -> np.ndarray | None:
+        """Append ``tokens`` to the cache (chunked by n_batch); logits for the last n_out rows."""
+        tokens = list(tokens)
+        if not tokens:
+            return None
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
+        if n_out > self.n_batch:
+            raise ValueError("more output rows than the batch holds")
+        i = 0
+        while len(tokens) - i > self.n_batch:
+            self._decode(tokens[i : i + self.n_batch], 0)
+            i += self.n_batch
+        rest = tokens[i:]
+        self._decode(rest, min(n_out, len(rest)))
+        return self.logits(min(n_out, len(rest))) if n_out else None
+
+    def truncate(self, n_keep: int) -> None:
+        """Drop every cached position >= n_keep (KV rollback)."""
+        if n_keep >= len(self.tokens):
+            return
+        if not self._ctx:
+            raise MarsError("this context was closed")
+        if not C.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
+            raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
+        del self.tokens[n_keep:]
+
+    def sync(self, tokens) -> int:
+        """Make the cache hold exactly ``tokens``, reusing the common prefix.
+
+        Returns the number of tokens that had to be evaluated.
+        """
+        if not self._ctx:
+            raise MarsError("this context was closed")
+        # An interrupted decode (Ctrl-C between llama_decode and the mirror
+        # update) can leave the cache longer than the mirror: trust the cache.
+        pos_max = int(C.llama_memory_seq_pos_max(self.mem, 0))
+        if pos_max + 1 != len(self.tokens):
+            C.llama_memory_seq_rm(self.mem, 0, min(len(self.tokens), pos_max + 1), -1)
+            del self.tokens[pos_max + 1 :]
+        keep = common_prefix_len(self.tokens, tokens)
+        self.truncate(keep)
+        rest = list(tokens[keep:])
+        if rest:
+            self.eval(rest, n_out=0)
+        return len(rest)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,108 @@
+"""The round's draft length for many sequences, and what a forward of R rows costs (pure;
+:mod:`.batched` uses it): the load-aware part of continuous batching."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..core.defaults import SETTINGS
+from .adaptive import AdaptiveK, expected_tokens
+
+__all__ = ["choose_window", "BatchCost", "auto_parallel", "MAX_ROWS"]
+
+MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (llama.streams.MAX_INVARIANT_ROWS)
+
+
+# ------------------------------------------------------------ the choice
+def choose_window(accepts: Sequence[Sequence[float]], costs: Sequence[float], k_max: int) -> int:
+    """The round's draft length k (pure).
+
+    ``accepts[i]``: the estimated acceptance of each token of sequence i's draft
+    (its length caps what it can gain); ``costs[R - 1]``: seconds of one forward of
+    R rows.  Returns argmax over k = 0..k_max of sum_i E_i[tokens | k] / costs[n(k+1) - 1],
+    where E_i is the expected accepted prefix of min(k, len) drafts plus one token.
+    """
+    n = len(accepts)
+    if n == 0:
+        return 0
+    best_k, best = 0, -1.0
+    for k in range(0, k_max + 1):
+        rows = n * (k + 1)
+        if rows > len(costs):
+            break
+        tokens = sum(expected_tokens(list(a[:k]), min(k, len(a))) if k and len(a) else 1.0 for a in accepts)
+        rate = tokens / costs[rows - 1]
+        if rate > best * 1.0001:
+            best_k, best = k, rate
+    return best_k
+
+
+@dataclass
+class BatchCost:
+    """Seconds of a target forward of R rows, R = 1..max_rows: decayed means of the
+    forwards timed, a line through them elsewhere, a prior before any."""
+
+    max_rows: int = MAX_ROWS
+    decay: float = 0.95
+    _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
+    _warm: set = field(default_factory=set)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows not in self._warm:  # a new batch shape builds its graph once: not timed
+            self._warm.add(rows)
+            return
+        slot = self._time.setdefault(rows, [0.0, 0.0])
+        slot[0] = slot[0] * self.decay + seconds
+        slot[1] = slot[1] * self.decay + 1.0
+
+    _draft: list = field(default_factory=lambda: [0.0, 0.0])  # decayed draft seconds, tokens
+
+    def observe_draft(self, n_tokens: int, seconds: float) -> None:
+        if n_tokens > 0:
+            d = self._draft
+            d[0], d[1] = d[0] * self.decay + seconds, d[1] * self.decay + n_tokens
+
+    def draft_cost(self, prior: float = 0.0) -> float:
+        t, n = self._draft
+        return t / n if n > 0.5 else prior
+
+    def costs(self, prior: AdaptiveK | None = None) -> list[float]:
+        seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05}
+        lone = prior.target_costs(self.max_rows) if prior is not None else None
+        if len(seen) < 2:
+            if lone is not None:  # a lone window of R rows costs about what R rows of a batch cost
+                return [seen.get(r, lone[r - 1]) for r in range(1, self.max_rows + 1)]
+            t1 = seen.get(1) or next(iter(seen.values()), 1.0)
+            return [t1 * (1.0 + 0.3 * (r - 1)) for r in range(1, self.max_rows + 1)]
+        xs = sorted(seen)
+        out = []
+        for r in range(1, self.max_rows + 1):
+            if r in seen:
+                out.append(seen[r])
+                continue
+            lo = max((x for x in xs if x < r), default=None)
+            hi = min((x for x in xs if x > r), default=None)
+            if lo is None:
+                lo, hi = xs[0], xs[1]
+            elif hi is None:
+                lo, hi = xs[-2], xs[-1]
+            slope = max(0.0, (seen[hi] - seen[lo]) / (hi - lo))
+            out.append(max(seen[lo] + slope * (r - lo), 1e-9))
+        return out
+
+
+def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
+    """The default --parallel: ``cap`` sequences (8: on a CPU a forward of 8 rows costs about
+    3 single rows, and beyond 8 sequences the 64-row invariant bound leaves no room for
+    drafts), fewer when their KV caches (target and draft) would take over half the free memory."""
+    from ..llama.context import _available_memory, kv_cache_bytes
+
+    n_ctx_seq = n_ctx_seq or engine.n_ctx
+    per_seq = kv_cache_bytes(engine.target, n_ctx_seq)
+    if engine.draft_model is not None:
+        per_seq += kv_cache_bytes(engine.draft_model, n_ctx_seq)
+    avail = None if engine.target.offloaded else _available_memory()
+    if avail is None or per_seq <= 0:
+        return cap
+    return max(1, min(cap, int(avail * 0.5 // per_seq)))
