@@ -78,7 +78,12 @@ class Engine:
         rpc: Sequence[str] | str | None = None,
         rpc_draft: bool = False,
         tensor_split: Sequence[float] | None = None,
+        controller: Callable[[GenerateConfig, int], AdaptiveK | None] | None = None,
+        drafter_factory: Callable[[GenerateConfig, int, Controls], Drafter] | None = None,
     ):
+        """``controller(config, k_max)`` and ``drafter_factory(config, seed, controls)`` replace how a
+        generation gets its draft-length controller and its drafter (seams for tests and experiments:
+        the default is the learned adaptive controller, and the drafter of ``drafter``)."""
         if chat_template is not None:  # a built-in's name or Jinja text (mars_local.chat.builtin)
             from ..chat.builtin import check_chat_template
 
@@ -113,7 +118,8 @@ class Engine:
             device=f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}" + (f"|rpc={rpc}" if rpc else ""),
             n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
         )
-        self._controllers = Controllers(store, keys, gpu=self.target.offloaded)
+        self.controllers = Controllers(store, keys, gpu=self.target.offloaded)
+        self._controller_factory, self._drafter_factory = controller, drafter_factory
 
     def _load_draft(self, draft, n_gpu_layers_draft, devices, ctx_opts: dict) -> None:
         self.draft_model = Model(draft, n_gpu_layers_draft, devices=devices)
@@ -312,6 +318,8 @@ class Engine:
     def _make_drafter(self, cfg: GenerateConfig, seed: int, controls: Controls) -> Drafter:
         if cfg.draft_max == 0:  # speculation off for this generation: nothing drafts (nor reads the prompt)
             return Drafter()
+        if self._drafter_factory is not None:
+            return self._drafter_factory(cfg, seed, controls)
         if self.drafter_kind == "model":
             return ModelDrafter(
                 self._draft_ctx, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min,
@@ -329,7 +337,11 @@ class Engine:
     def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
         """The draft-length controller for ``cfg`` (None: k stays at draft_max)."""
         k_max = min(cfg.draft_max, self._k_limit)
-        return self._controllers.for_config(cfg, k_max) if self.drafter_kind != "none" and k_max > 0 else None
+        if self.drafter_kind == "none" or k_max <= 0:
+            return None
+        if self._controller_factory is not None:
+            return self._controller_factory(cfg, k_max)
+        return self.controllers.for_config(cfg, k_max)
 
     def _run(self, run: _Run) -> Iterator[Chunk]:
         """The loop, with the Engine held and the stats finalized on every way out."""
@@ -353,7 +365,7 @@ class Engine:
             if self._busy is busy:
                 self._busy = None
             if run.ctrl is not None:
-                self._controllers.save()
+                self.controllers.save()
 
     def _loop(self, run: _Run, t_start: float) -> Iterator[Chunk]:
         clock, stats, tokens = time.perf_counter, run.stats, run.tokens

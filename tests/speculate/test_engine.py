@@ -45,28 +45,28 @@ def test_strict_sampling_equals_plain_sampling_for_the_same_seed(plain, spec, ng
                 assert out.tokens == ref.tokens, (seed, eng.drafter_kind, adaptive)
 
 
-def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, ngram, monkeypatch):
+def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, tiny_target):
     """The n-gram draft is proposed before the choice; the controller sees its
     match-length keys and the target verifies exactly the prefix it chose."""
     from mars_local.speculate.adaptive import AdaptiveK
 
     calls, observed = [], []
-    real_observe = AdaptiveK.observe
 
-    def choose(self, k_limit=None, keys=None):
-        k = len(keys) // 2 if keys else 0  # half of whatever was proposed
-        calls.append((list(keys) if keys is not None else None, k))
-        return k
+    class Half(AdaptiveK):  # given to the engine through its controller seam
+        def choose(self, k_limit=None, keys=None):
+            k = len(keys) // 2 if keys else 0  # half of whatever was proposed
+            calls.append((list(keys) if keys is not None else None, k))
+            return k
 
-    def observe(self, k, n_accepted, t_target, t_draft, keys=None, **kw):
-        observed.append((k, keys))
-        return real_observe(self, k, n_accepted, t_target, t_draft, keys, **kw)
+        def observe(self, k, n_accepted, t_target, t_draft, keys=None, **kw):
+            observed.append((k, keys))
+            return super().observe(k, n_accepted, t_target, t_draft, keys, **kw)
 
-    monkeypatch.setattr(AdaptiveK, "choose", choose)
-    monkeypatch.setattr(AdaptiveK, "observe", observe)
     prompt = "the a the a the a hello the a the"
     ref = plain.generate(prompt, max_tokens=40, verify="strict")
-    out = ngram.generate(prompt, max_tokens=40, verify="strict", draft_max=6)
+    with Engine(tiny_target, drafter="ngram", learned=False, controller=lambda cfg, k_max: Half(k_max=k_max)) as ngram:
+        out = ngram.generate(prompt, max_tokens=40, verify="strict", draft_max=6)
+        n_max = ngram.ngram_max
     assert out.tokens == ref.tokens  # still lossless
     ks = out.stats.k_per_round
     assert len(calls) >= len(ks) - 1 and any(k > 0 for k in ks)
@@ -74,7 +74,7 @@ def test_adaptive_ngram_rounds_cut_the_proposed_draft_by_its_keys(plain, ngram, 
         assert used == k == k_obs
         assert keys is not None and len(keys) <= 6
         if keys:  # match lengths, growing by one per draft position
-            assert keys == [min(keys[0] + i, ngram.ngram_max + 2) for i in range(len(keys))]
+            assert keys == [min(keys[0] + i, n_max + 2) for i in range(len(keys))]
             assert keys_obs == (keys[:k] if k else None)
 
 
@@ -84,7 +84,7 @@ def test_each_verification_rule_learns_its_own_acceptance_on_shared_costs(tiny_t
         eng.generate("the a the a the", max_tokens=20, verify="mars", theta=0.9, draft_max=4)
         eng.generate("the a the a the", max_tokens=20, verify="mars", theta=0.8, draft_max=4)
         eng.generate("the a the a the", max_tokens=20, verify="strict", draft_max=4)
-        ctrls = list(eng._controllers)
+        ctrls = list(eng.controllers)
         assert len(ctrls) == 3
         ctrls[0].observe_forward(99, 1.0)  # a cost seen by one is seen by all ...
         ctrls[0].observe_forward(99, 1.0)  # (the first forward of a new size is not timed)
@@ -284,7 +284,7 @@ def test_recurrent_models_are_refused_for_drafting(tiny_target, tiny_draft, monk
         assert plain.generate("hello", max_tokens=3).stats.n_generated >= 1
 
 
-def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(plain, spec, monkeypatch):
+def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(plain, tiny_target, tiny_draft):
     """With adaptive k a draft model drafts token by token, each token keyed by
     its confidence bucket; the controller's extend() decides when to stop and
     trim() how many to verify.  Output is still plain greedy output."""
@@ -292,21 +292,24 @@ def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(pla
 
     seen_keys, trims = [], []
 
-    def extend(self, keys, k_limit=None):
-        seen_keys.append(list(keys))
-        return len(keys) < 3  # draft exactly 3 tokens
+    class ThreeThenTwo(AdaptiveK):  # given to the engine through its controller seam
+        def choose(self, k_limit=None, keys=None):
+            return 1
 
-    def trim(self, keys):
-        trims.append(list(keys))
-        return 2  # verify 2 of them
+        def extend(self, keys, k_limit=None):
+            seen_keys.append(list(keys))
+            return len(keys) < 3  # draft exactly 3 tokens
 
-    monkeypatch.setattr(AdaptiveK, "extend", extend)
-    monkeypatch.setattr(AdaptiveK, "trim", trim)
-    monkeypatch.setattr(AdaptiveK, "choose", lambda self, k_limit=None, keys=None: 1)
-    for prompt in PROMPTS[:3]:
-        ref = plain.generate(prompt, max_tokens=30, verify="strict")
-        out = spec.generate(prompt, max_tokens=30, verify="strict", draft_max=6)
-        assert out.tokens == ref.tokens
-        assert set(out.stats.k_per_round) <= {0, 1, 2} and 2 in out.stats.k_per_round
+        def trim(self, keys):
+            trims.append(list(keys))
+            return 2  # verify 2 of them
+
+    with Engine(tiny_target, tiny_draft, learned=False,
+                controller=lambda cfg, k_max: ThreeThenTwo(k_max=k_max)) as spec:
+        for prompt in PROMPTS[:3]:
+            ref = plain.generate(prompt, max_tokens=30, verify="strict")
+            out = spec.generate(prompt, max_tokens=30, verify="strict", draft_max=6)
+            assert out.tokens == ref.tokens
+            assert set(out.stats.k_per_round) <= {0, 1, 2} and 2 in out.stats.k_per_round
     assert seen_keys and all(k and all(x.startswith("p") for x in k) for k in seen_keys)
     assert all(len(t) == 3 for t in trims if len(t) >= 3)
