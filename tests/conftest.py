@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_CACHE = ROOT / ".cache" / "test-models"
 # `make test-pure` sets this: the pure modules' tests, in a venv without llama-cpp-python.
 PURE_RUN = os.environ.get("MARS_PURE_TESTS") == "1"
+# The busy-CPU warning depends on what else runs on the machine (a test run itself): off in tests,
+# subprocesses included; tests/llama/test_busy_cpu.py and the CLI test of it turn it back on.
+os.environ["MARS_BUSY_NOTE"] = "0"
 
 
 if PURE_RUN:

@@ -18,7 +18,7 @@ from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
 from .runtime import Model, default_threads
 
-__all__ = ["Context", "context_params", "create_context", "kv_cache_bytes", "KV_TYPES", "MAX_CTX"]
+__all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "KV_TYPES", "MAX_CTX"]
 
 
 # ----------------------------------------------------------------- context
@@ -137,7 +137,23 @@ def create_context(model: Model, cp, info: _CtxInfo):
     return ctx
 
 
-class Context:
+class OwnsContext:
+    """Frees a llama_context (``_ctx``) and its batch (``_batch``) once: close(), or collection."""
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            C.llama_batch_free(self._batch)
+            C.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Context(OwnsContext):
     """One llama_context with its batch, its KV token mirror and logits views.
 
     flash_attn: None lets llama.cpp decide; kv_type: "f16" (default), "f32" or
@@ -250,15 +266,3 @@ class Context:
         if rest:
             self.eval(rest, n_out=0)
         return len(rest)
-
-    def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            C.llama_batch_free(self._batch)
-            C.llama_free(self._ctx)
-            self._ctx = None
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass

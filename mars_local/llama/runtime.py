@@ -100,7 +100,11 @@ def busy_note(threads: int, cores: int, load: float, running: int) -> str | None
 
 
 def read_busy_note(threads: int, loadavg_path: str = "/proc/loadavg") -> str | None:
-    """:func:`busy_note` for this machine now (None where /proc/loadavg cannot be read)."""
+    """:func:`busy_note` for this machine now (None where /proc/loadavg cannot be read, or with
+    ``MARS_BUSY_NOTE=0`` in the environment).  Runnable threads of this process (llama.cpp's
+    thread pool spins for a while after a decode) are not counted as other work."""
+    if os.environ.get("MARS_BUSY_NOTE") == "0":
+        return None
     try:
         with open(loadavg_path, encoding="ascii") as f:
             fields = f.read(256).split()
@@ -111,10 +115,25 @@ def read_busy_note(threads: int, loadavg_path: str = "/proc/loadavg") -> str | N
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS
         cores = os.cpu_count() or 1
-    return busy_note(threads, cores, load, running)
+    own = _own_running_threads() if loadavg_path == "/proc/loadavg" else 1
+    return busy_note(threads, cores, load, running - max(own - 1, 0))
 
 
-# ------------------------------------------------------------------- model
+def _own_running_threads() -> int:
+    """This process's threads in state R (running or runnable), at least 1."""
+    n = 0
+    try:
+        for task in os.scandir("/proc/self/task"):
+            try:
+                with open(f"{task.path}/stat", encoding="ascii", errors="replace") as f:
+                    n += f.read(512).rsplit(")", 1)[1].split()[0] == "R"
+            except (OSError, IndexError):
+                continue
+    except OSError:
+        return 1
+    return max(n, 1)
+
+
 class Model:
     """A loaded GGUF model (weights only; contexts are separate).
 

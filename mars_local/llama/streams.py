@@ -41,7 +41,7 @@ from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
-from .context import context_params, create_context
+from .context import OwnsContext, context_params, create_context
 from .runtime import Model
 
 __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView"]
@@ -50,7 +50,7 @@ __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView"]
 MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
 
 
-class MultiContext:
+class MultiContext(OwnsContext):
     """One llama_context with ``n_seq`` sequences of up to ``n_ctx_seq`` tokens each.
 
     The KV cache holds ``n_seq * n_ctx_seq`` cells (llama.cpp gives each stream an
@@ -166,17 +166,6 @@ class MultiContext:
         flush()
         return out  # type: ignore[return-value]
 
-    def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            C.llama_batch_free(self._batch)
-            C.llama_free(self._ctx)
-            self._ctx = None
-
-    def __del__(self):  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class SeqView:

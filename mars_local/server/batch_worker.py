@@ -125,12 +125,3 @@ class BatchWorker(Worker):
         if self.running is job:
             self.running = next(iter(self.active), None)
         self._done(job, outcome, final)
-
-    def _done(self, job: Job, outcome: str, final) -> None:
-        if self._on_done is not None:  # before the last event: the metrics are current when it arrives
-            try:
-                self._on_done(job, outcome)
-            except Exception as exc:  # pragma: no cover - metrics must not stop the worker
-                print(f"mars serve: metrics: {exc}", file=sys.stderr)
-        if final is not None:
-            job.emit(*final)

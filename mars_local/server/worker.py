@@ -131,13 +131,17 @@ class Worker:
                 final = ("error", ApiError(500, f"generation failed: {exc}", type="server_error"))
             finally:
                 self.running = None
-                if self._on_done is not None:  # before the last event: the metrics are current when it arrives
-                    try:
-                        self._on_done(job, outcome)
-                    except Exception as exc:  # pragma: no cover - metrics must not stop the worker
-                        print(f"mars serve: metrics: {exc}", file=sys.stderr)
-            if final is not None:
-                job.emit(*final)
+            self._done(job, outcome, final)
+
+    def _done(self, job: Job, outcome: str, final) -> None:
+        """A job has ended: the metrics first (current when the last event arrives), then its last event."""
+        if self._on_done is not None:
+            try:
+                self._on_done(job, outcome)
+            except Exception as exc:  # pragma: no cover - metrics must not stop the worker
+                print(f"mars serve: metrics: {exc}", file=sys.stderr)
+        if final is not None:
+            job.emit(*final)
 
     def _prompt(self, job: Job) -> list[int]:
         """The request's prompt tokens.  Tokenizing stops as soon as the prompt is known

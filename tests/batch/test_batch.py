@@ -16,23 +16,16 @@ import time
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from mars_local.batch import scan_output
-from mars_local.cli.main import app
 from mars_local.core.stats import SpecStats
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
+from helpers import invoke
 
 FAKE = "fake.gguf"  # with the fake_engine fixture: no model is loaded
 
 EXIT_SKIPPED = 3  # records were skipped, the rest was done
-
-runner = CliRunner()
-
-
-def invoke(*args, input=None):
-    return runner.invoke(app, [str(a) for a in args], input=input)
 
 
 def no_traceback(r):

@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from mars_local import bench as B
-from mars_local.cli.main import app
 from mars_local.core.errors import MarsError
+
+from helpers import invoke
 
 runner = CliRunner()
 
@@ -22,10 +23,6 @@ ROW_KEYS = {
     "category", "method", "theta", "k", "tokens_per_second", "speedup_vs_plain", "acceptance_rate",
     "mean_accepted_length", "relaxed_share", "token_agreement", "quality_recovery", "nll_ratio",
 }
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 # ------------------------------------------------------------------ metrics

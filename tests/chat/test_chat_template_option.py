@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from mars_local import Engine, MarsError
 from mars_local.chat.builtin import BuiltinChatTemplate, builtin_names, check_chat_template
@@ -22,6 +21,7 @@ from mars_local.chat.tokens import tokenize_chat
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
 from tinymodels import CHATML, make_tiny_llama
+from helpers import invoke
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_CACHE = ROOT / ".cache" / "test-models"
@@ -58,12 +58,6 @@ def gemma() -> Path:
 @pytest.fixture(scope="module")
 def no_template(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("nt") / "no-template.gguf", chat_template=None)
-
-
-def invoke(*args, input=None):
-    from mars_local.cli.main import app
-
-    return CliRunner().invoke(app, [str(a) for a in args], input=input)
 
 
 def engine(path, **kw) -> Engine:

@@ -7,20 +7,13 @@ import subprocess
 import sys
 
 import pytest
-from typer.testing import CliRunner
 
 from mars_local import GenerateConfig, MarsError
-from mars_local.cli.main import app
 from mars_local.models.registry import bench_drafters, choose_models
 from mars_local.core.stats import SpecStats
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
-
-runner = CliRunner()
-
-
-def invoke(*args, input=None):
-    return runner.invoke(app, [str(a) for a in args], input=input)
+from helpers import invoke
 
 
 # ------------------------------------------------ with the fake engine (no model)

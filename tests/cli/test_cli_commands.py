@@ -3,36 +3,26 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from mars_local import Engine, GenerateConfig, MarsError
 from mars_local.chat.session import ChatSession, ContextDropped, Interrupted, Text, TurnDone
-from mars_local.cli.main import app
 from mars_local.models.hub import split_parts
 
 from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
+from helpers import invoke, mars as _mars
+
+
+def mars(*args, **kw):  # text output here
+    return _mars(*args, text=True, **kw)
+
 
 ROOT = Path(__file__).resolve().parents[2]
-runner = CliRunner()
-
-
-def invoke(*args, input=None, env=None):
-    return runner.invoke(app, [str(a) for a in args], input=input, env=env)
-
-
-def mars(*args, env=None, **kw):
-    """The real entry point in a subprocess."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "mars_local", *map(str, args)], capture_output=True, text=True,
-                          env=full_env, **kw)
 
 
 def one_error_line(r, code=2):

@@ -11,20 +11,14 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from mars_local.cli.main import app
 from mars_local.core.config import GenerateConfig
 
 from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
+from helpers import invoke
 
-runner = CliRunner()
 FAKE = "fake.gguf"
 D = GenerateConfig()  # the defaults
-
-
-def invoke(*args, input=None):
-    return runner.invoke(app, [str(a) for a in args], input=input)
 
 
 def one_error_line(r, code=2) -> str:

@@ -15,27 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from tinymodels import make_tiny_llama
 
-from mars_local.cli.main import app
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
+from helpers import invoke, mars
 
-runner = CliRunner()
 MARS = [sys.executable, "-m", "mars_local"]
-
-
-def invoke(*args, input=None, env=None):
-    return runner.invoke(app, [str(a) for a in args], input=input, env=env)
-
-
-def mars(*args, input=None, env=None, timeout=120):
-    """The real entry point in a subprocess; bytes arguments and input go through as they are."""
-    argv = [a if isinstance(a, bytes) else str(a) for a in args]
-    return subprocess.run(MARS + argv, input=input, capture_output=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
 
 
 def err_lines(p) -> list[str]:

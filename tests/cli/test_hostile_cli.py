@@ -15,36 +15,18 @@ import sys
 import threading
 
 import pytest
-from typer.testing import CliRunner
 
 from mars_local import Engine, MarsError
-from mars_local.cli.main import app
 from mars_local.speculate.grammar import (
     MAX_GRAMMAR_BYTES, GrammarState, check_grammar_text, grammar_from_json_schema, json_grammar,
 )
 
 from fake_engine import fake_engine  # noqa: F401  (fixture)
+from helpers import invoke, mars
 
-runner = CliRunner()
 MARS = [sys.executable, "-m", "mars_local"]
 LONG = "a" * 300  # longer than a file name may be (255 bytes on Linux)
 SURROGATE_GBNF = 'root ::= "\udcff"'  # what argv gives for root ::= "<byte 0xff>"
-
-
-def invoke(*args, input=None, env=None):
-    return runner.invoke(app, [str(a) for a in args], input=input, env=env)
-
-
-def mars(*args, input=None, env=None, timeout=120, memory=None):
-    """The real entry point in a subprocess (``memory``: an address-space limit in bytes)."""
-    argv = [a if isinstance(a, bytes) else str(a) for a in args]
-
-    def limit():
-        if memory is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-
-    return subprocess.run(MARS + argv, input=input, capture_output=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, preexec_fn=limit)
 
 
 def one_error(p) -> str:

@@ -7,6 +7,11 @@ import pytest
 from mars_local.llama.runtime import busy_note, read_busy_note
 
 
+@pytest.fixture(autouse=True)
+def note_on(monkeypatch):
+    monkeypatch.delenv("MARS_BUSY_NOTE", raising=False)  # conftest turns it off for the other tests
+
+
 @pytest.mark.parametrize("threads, cores, load, running, warn, suggest", [
     (2, 2, 2.0, 3, True, "-t 1"),     # another process on both cores (the ~100x slowdown measured)
     (2, 2, 1.1, 2, True, "-t 1"),     # one core busy elsewhere
@@ -34,4 +39,39 @@ def test_read_busy_note_parses_proc_loadavg(tmp_path):
     f.write_text("garbage\n")
     assert read_busy_note(512, str(f)) is None
     assert read_busy_note(2, str(tmp_path / "missing")) is None
+
+
+def test_mars_busy_note_0_turns_it_off(tmp_path, monkeypatch):
+    f = tmp_path / "loadavg"
+    f.write_text("9.50 3.00 1.00 40/700 12345\n")
+    assert read_busy_note(512, str(f)) is not None
+    monkeypatch.setenv("MARS_BUSY_NOTE", "0")
+    assert read_busy_note(512, str(f)) is None
+
+
+def test_this_process_spinning_threads_are_not_other_work():
+    """Four threads of this process spinning: the machine's own count must not make them 'others'."""
+    import hashlib
+    import threading
+    import time
+
+    from mars_local.llama.runtime import _own_running_threads
+
+    stop = threading.Event()
+    data = bytes(8 << 20)
+
+    def spin():  # hashing releases the GIL: the threads run at once, as llama.cpp's do
+        while not stop.is_set():
+            hashlib.sha256(data).digest()
+
+    threads = [threading.Thread(target=spin) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(0.05)
+        assert max(_own_running_threads() for _ in range(20)) >= 2
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
 
