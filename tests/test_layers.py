@@ -28,19 +28,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def absolute(path: Path, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` in ``path`` names, made absolute."""
+    if not node.level:
+        return node.module or ""
+    me = module_name(path)
+    pkg = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports(path: Path) -> set[str]:
     """Every mars_local module ``path`` imports, at any depth (function-level imports included;
     TYPE_CHECKING blocks too: a type's home is a dependency)."""
     me = module_name(path)
-    pkg = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = absolute(path, node)
             if not target.startswith("mars_local"):
                 continue
             for alias in node.names:  # `from . import x` may name a module
@@ -96,8 +101,36 @@ def test_no_module_import_cycles():
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
+# modules outside llama/ that may call llama.cpp, and why
+LLAMA_CPP_CALLERS = {
+    "mars_local.speculate.grammar": "llama.cpp's grammar sampler, a per-generation state of the loop",
+    "mars_local.speculate.native": "the patched build's verify kernel",
+    "mars_local.bench.peers": "llama-cpp-python's own Llama, run as a peer",
+}
+
+
+def calls_llama_cpp(path: Path) -> bool:
+    """Whether ``path`` imports llama_cpp, or llama.cpp's ctypes API ``C`` from mars_local.llama."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "llama_cpp" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom):
+            target = absolute(path, node)
+            if target.split(".")[0] == "llama_cpp":
+                return True
+            if target.startswith("mars_local.llama") and any(a.name == "C" for a in node.names):
+                return True
+    return False
+
+
+def test_only_the_llama_package_calls_llama_cpp():
+    callers = {module_name(p) for p in PKG.rglob("*.py") if layer(module_name(p)) != "llama" and calls_llama_cpp(p)}
+    assert callers == set(LLAMA_CPP_CALLERS), sorted(callers ^ set(LLAMA_CPP_CALLERS))
+
+
 def test_the_checker_sees_imports():
     g = graph()
     assert "mars_local.core.errors" in g["mars_local.speculate.engine"]
     assert "mars_local.llama.runtime" in g["mars_local.llama.streams"]
     assert layer("mars_local.cli.main") == "cli" and layer("mars_local.__main__") == ""
+    assert calls_llama_cpp(PKG / "llama" / "runtime.py") and not calls_llama_cpp(PKG / "chat" / "builtin.py")

@@ -69,6 +69,10 @@ Policies:
 Exit codes: 0 every record is in OUTPUT (including "nothing to do"); 2 an
 error, reported as one line; 3 records were skipped (the rest is done); 130
 Ctrl-C (one line saying how many records are in OUTPUT; rerun to resume).
+
+Modules: :mod:`.records` (reading and validating records, ids), :mod:`.output` (the lock,
+the marks, resuming, writing), :mod:`.jobs` (the runner).  May import anything of
+mars_local but :mod:`mars_local.cli`.
 """
 
 from __future__ import annotations

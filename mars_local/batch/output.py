@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..chat.session import short_json as _show
 from ..core.errors import MarsError
-from .records import FORMAT, MARK, RECORD_PREFIX, _is_int, _valid_id, id_key
+from .records import FORMAT, MARK, RECORD_PREFIX, id_key, is_int, valid_id
 
 try:
     import fcntl
@@ -81,10 +81,10 @@ def _output_record(raw: bytes) -> tuple[Optional[str], object]:
         obj = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return None, None
-    if not (isinstance(obj, dict) and _valid_id(obj.get("id")) and isinstance(obj.get("text"), str)):
+    if not (isinstance(obj, dict) and valid_id(obj.get("id")) and isinstance(obj.get("text"), str)):
         return None, None
     mark = obj.get(MARK)
-    if _is_int(mark) and mark == FORMAT:
+    if is_int(mark) and mark == FORMAT:
         return "ours", obj["id"]
     if MARK not in obj and isinstance(obj.get("stats"), dict):
         return "old", obj["id"]

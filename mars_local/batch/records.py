@@ -33,7 +33,8 @@ class Record:
 
 
 # ----------------------------------------------------------------- input
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
+    """A JSON whole number (a bool is not one)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -41,15 +42,15 @@ def _is_num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _valid_id(v) -> bool:
+def valid_id(v) -> bool:
     """A string or a whole number (an integral float such as 1.0 or 1e3 counts)."""
-    return isinstance(v, str) or _is_int(v) or (_is_num(v) and float(v).is_integer())
+    return isinstance(v, str) or is_int(v) or (_is_num(v) and float(v).is_integer())
 
 
 def id_key(v) -> str:
     """The key that says which ids are the same (see the module's docstring):
     a string as it is, a number as its integer's decimal digits."""
-    return v if isinstance(v, str) else str(v if _is_int(v) else int(v))
+    return v if isinstance(v, str) else str(v if is_int(v) else int(v))
 
 
 def _same_id_note(a, b) -> str:
@@ -62,7 +63,7 @@ def _is_str(v) -> bool:
 
 
 def _is_int_or_null(v) -> bool:
-    return v is None or _is_int(v)
+    return v is None or is_int(v)
 
 
 def _is_bool(v) -> bool:
@@ -80,26 +81,26 @@ def _is_schema(v) -> bool:
 # Each per-line setting: its JSON type and its allowed values in words.  The
 # ranges themselves are GenerateConfig's (with SamplingParams and VerifyConfig).
 SETTINGS = {
-    "max_tokens": (_is_int, "a whole number from 1{top}, or -1 (until end of generation or a full context)"),
-    "seed": (_is_int, "a whole number (negative = random)"),
+    "max_tokens": (is_int, "a whole number from 1{top}, or -1 (until end of generation or a full context)"),
+    "seed": (is_int, "a whole number (negative = random)"),
     "temperature": (_is_num, "a finite number >= 0"),
-    "top_k": (_is_int, "a whole number >= 0 (0 = off)"),
+    "top_k": (is_int, "a whole number >= 0 (0 = off)"),
     "top_p": (_is_num, "a number in (0, 1] (1 = off)"),
     "min_p": (_is_num, "a number in [0, 1) (0 = off)"),
     "theta": (_is_num, "a number in (0, 1]"),
-    "draft_max": (_is_int, "a whole number from 0 to {max_draft}"),
+    "draft_max": (is_int, "a whole number from 0 to {max_draft}"),
     "max_relaxed": (_is_int_or_null, "a whole number >= 0 or null (no cap)"),
     "verify": (_is_str, "{methods}"),
     "stop": (_is_stop, "a non-empty string or a list of non-empty strings"),
     "ignore_eos": (_is_bool, "true or false"),
     "repeat_penalty": (_is_num, "a number > 0 (1 = off)"),
-    "repeat_last_n": (_is_int, "a whole number >= -1 (-1 = the whole context, 0 = off)"),
+    "repeat_last_n": (is_int, "a whole number >= -1 (-1 = the whole context, 0 = off)"),
     "presence_penalty": (_is_num, "a finite number (0 = off)"),
     "frequency_penalty": (_is_num, "a finite number (0 = off)"),
     "grammar": (_is_str, "GBNF grammar text (a non-empty string)"),
     "json_schema": (_is_schema, "a JSON Schema (an object, or a string holding one)"),
     "format": (_is_str, '"json"'),
-    "logprobs": (_is_int, "a whole number from 0 to 20 (0 = none)"),
+    "logprobs": (is_int, "a whole number from 0 to 20 (0 = none)"),
 }
 LINE_SETTINGS = frozenset(SETTINGS)
 GRAMMAR_KEYS = ("grammar", "json_schema", "format")  # at most one per record; each becomes the config's grammar
@@ -172,7 +173,7 @@ def _check_record(obj: dict, ctx_size: Optional[int]) -> Record:
     """Everything but the line number in the message (the caller adds it once)."""
     if "id" not in obj:
         raise MarsError("needs an 'id' (string or number)")
-    if not _valid_id(obj["id"]):
+    if not valid_id(obj["id"]):
         raise MarsError(f"'id' must be a string or a whole number, got {_show(obj['id'])}")
     has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt == has_messages:
@@ -244,7 +245,7 @@ def read_records(lines, base, ctx_size: Optional[int] = None, name: str = "the i
             obj = json.loads(line)
         except (ValueError, RecursionError):
             obj = None
-        if isinstance(obj, dict) and _valid_id(obj.get("id")):
+        if isinstance(obj, dict) and valid_id(obj.get("id")):
             key = id_key(obj["id"])
             if key in first:
                 line0, id0 = first[key]

@@ -60,7 +60,8 @@ data), ``metrics`` (task metrics), ``scoring`` (the target's NLL), ``config``
 (settings, the plan of configurations, samples and the result), ``peers``
 (llama-cpp-python and llama.cpp's binaries), ``runner`` (:func:`run_bench`),
 ``report`` (the summary rows, tables, JSON and the plot).  ROUGE-L, chrF and
-the plot need the ``bench`` extra (``pip install mars-local[bench]``).
+the plot need the ``bench`` extra (``pip install mars-local[bench]``).  May import
+anything of mars_local but :mod:`mars_local.cli`.
 """
 
 from .config import (
@@ -74,7 +75,6 @@ from .config import (
     Sample,
     plan_runs,
 )
-from ..core.tokens import common_prefix_len
 from .metrics import (
     METRICS,
     unavailable_metrics,
@@ -127,7 +127,6 @@ __all__ = [
     "score_chrf",
     "unavailable_metrics",
     "unscored_note",
-    "common_prefix_len",
     "TargetScorer",
     "LlamaCppPythonPeer",
     "LlamaCppBinaryPeer",

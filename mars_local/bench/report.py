@@ -271,59 +271,14 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> None:
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(panels))
     thetas = sorted({r["theta"] for r in rows if r["theta"] is not None})
-    xs_all = thetas + [1.0]
-    legend: dict[str, Line2D] = {}
-    annotate = len(s.drafters) == 1  # with more lines the labels would collide
-    fixed_k = s.draft_max if s.draft_max in s.ks() else max(s.ks())  # the fixed line drawn
-    peer_styles = [":", "-.", (0, (5, 2)), (0, (1, 1))]
+    legend: dict = {}
     for ax, (key, title, ylabel) in zip(axes, panels):
         ax.axhline(1.0, color="#555555", lw=1.2, zorder=1)
         if key == "speedup_vs_plain":  # slower than plain: a faint red band
             ax.axhspan(0, 1.0, color="#d62728", alpha=0.05, zorder=0)
-        for d in s.drafters:
-            for mode in ("fixed", "adaptive"):
-                want_k = "adaptive" if mode == "adaptive" else fixed_k
-                pts = sorted(
-                    (r["theta"], r[key]) for r in rows
-                    if r["method"] == "mars" and r["drafter"] == d and r["k"] == want_k and r[key] is not None
-                )
-                strict = [r[key] for r in rows
-                          if r["method"] == "strict" and r["drafter"] == d and r["k"] == want_k and r[key] is not None]
-                if not pts and not strict:
-                    continue
-                xs = [p[0] for p in pts] + ([1.0] if strict else [])
-                ys = [p[1] for p in pts] + strict[:1]
-                color = _COLORS.get(d, ("#9467bd", "#c5b0d5"))[0 if mode == "fixed" else 1]
-                marker = "o" if mode == "fixed" else "s"
-                label = f"{d} drafter, " + (f"k = {fixed_k} fixed" if mode == "fixed" else f"adaptive k (≤ {s.draft_max})")
-                (ln,) = ax.plot(xs, ys, marker=marker, color=color, lw=3.4 if mode == "fixed" else 2.0,
-                                ms=8 if mode == "fixed" else 6, zorder=3 if mode == "fixed" else 4,
-                                ls="-" if mode == "fixed" else "--")
-                legend.setdefault(label, ln)
-                if key == "speedup_vs_plain" and annotate:
-                    for x, y in zip(xs, ys):
-                        ax.annotate(f"{y:.2f}×", (x, y), textcoords="offset points",
-                                    xytext=(0, 9) if mode == "fixed" else (0, -15),
-                                    ha="center", fontsize=8.5, color=color, fontweight="bold")
-        peers_here = [r for r in rows if r["method"] not in ("plain", "strict", "mars") and r[key] is not None]
-        for j, r in enumerate(peers_here):
-            label = r["method"] + (f" ({r['drafter']})" if r["method"] == PEER_SPEC else "")
-            ln = ax.axhline(r[key], color="#d62728" if j == 0 else "#ff7f0e", ls=peer_styles[j % 4], lw=1.6, zorder=2)
-            legend.setdefault(label, ln)
-        ax.set_title(title, fontsize=11, fontweight="bold")
-        ax.set_xlabel("MARS θ (1.0 = strict)")
-        ax.set_ylabel(ylabel)
-        ax.set_xticks(xs_all)
-        ax.set_xticklabels([f"{x:g}" for x in thetas] + ["strict"])
-        if xs_all:
-            pad = max((xs_all[-1] - xs_all[0]) * 0.08, 0.01)
-            ax.set_xlim(xs_all[0] - pad, xs_all[-1] + pad)
-        ax.grid(True, alpha=0.3)
-        vals = [ln.get_ydata() for ln in ax.get_lines()]
-        ys_all = [float(v) for arr in vals for v in np.atleast_1d(arr)]
-        lo, hi = (min(ys_all), max(ys_all)) if ys_all else (0.9, 1.1)
-        span = max(hi - lo, 0.1)
-        ax.set_ylim(lo - 0.12 * span, hi + 0.15 * span)
+        _plot_drafter_lines(ax, key, rows, s, legend)
+        _plot_peer_lines(ax, key, rows, legend)
+        _style_panel(ax, title, ylabel, thetas)
     legend["plain decoding (= 1)"] = Line2D([], [], color="#555555", lw=1.2)
     fig.legend(list(legend.values()), list(legend.keys()), loc="lower center", ncol=min(len(legend), 4),
                frameon=False, fontsize=9)
@@ -336,3 +291,65 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> None:
         fig.savefig(str(path), format="png")
     except OSError as exc:
         raise MarsError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _plot_drafter_lines(ax, key: str, rows: list[dict], s, legend: dict) -> None:
+    """One line per drafter and k mode (fixed, adaptive): MARS at each θ, then strict at θ = 1."""
+    annotate = len(s.drafters) == 1  # with more lines the labels would collide
+    fixed_k = s.draft_max if s.draft_max in s.ks() else max(s.ks())  # the fixed line drawn
+    for d in s.drafters:
+        for mode in ("fixed", "adaptive"):
+            want_k = "adaptive" if mode == "adaptive" else fixed_k
+            pts = sorted(
+                (r["theta"], r[key]) for r in rows
+                if r["method"] == "mars" and r["drafter"] == d and r["k"] == want_k and r[key] is not None
+            )
+            strict = [r[key] for r in rows
+                      if r["method"] == "strict" and r["drafter"] == d and r["k"] == want_k and r[key] is not None]
+            if not pts and not strict:
+                continue
+            xs = [p[0] for p in pts] + ([1.0] if strict else [])
+            ys = [p[1] for p in pts] + strict[:1]
+            color = _COLORS.get(d, ("#9467bd", "#c5b0d5"))[0 if mode == "fixed" else 1]
+            marker = "o" if mode == "fixed" else "s"
+            label = f"{d} drafter, " + (f"k = {fixed_k} fixed" if mode == "fixed" else f"adaptive k (≤ {s.draft_max})")
+            (ln,) = ax.plot(xs, ys, marker=marker, color=color, lw=3.4 if mode == "fixed" else 2.0,
+                            ms=8 if mode == "fixed" else 6, zorder=3 if mode == "fixed" else 4,
+                            ls="-" if mode == "fixed" else "--")
+            legend.setdefault(label, ln)
+            if key == "speedup_vs_plain" and annotate:
+                for x, y in zip(xs, ys):
+                    ax.annotate(f"{y:.2f}×", (x, y), textcoords="offset points",
+                                xytext=(0, 9) if mode == "fixed" else (0, -15),
+                                ha="center", fontsize=8.5, color=color, fontweight="bold")
+
+
+_PEER_STYLES = [":", "-.", (0, (5, 2)), (0, (1, 1))]
+
+
+def _plot_peer_lines(ax, key: str, rows: list[dict], legend: dict) -> None:
+    """A horizontal line per peer tool."""
+    peers_here = [r for r in rows if r["method"] not in ("plain", "strict", "mars") and r[key] is not None]
+    for j, r in enumerate(peers_here):
+        label = r["method"] + (f" ({r['drafter']})" if r["method"] == PEER_SPEC else "")
+        ln = ax.axhline(r[key], color="#d62728" if j == 0 else "#ff7f0e", ls=_PEER_STYLES[j % 4], lw=1.6, zorder=2)
+        legend.setdefault(label, ln)
+
+
+def _style_panel(ax, title: str, ylabel: str, thetas: list[float]) -> None:
+    """Titles, the θ axis (ending at "strict"), a grid, and y limits around every line drawn."""
+    xs_all = thetas + [1.0]
+    ax.set_title(title, fontsize=11, fontweight="bold")
+    ax.set_xlabel("MARS θ (1.0 = strict)")
+    ax.set_ylabel(ylabel)
+    ax.set_xticks(xs_all)
+    ax.set_xticklabels([f"{x:g}" for x in thetas] + ["strict"])
+    if xs_all:
+        pad = max((xs_all[-1] - xs_all[0]) * 0.08, 0.01)
+        ax.set_xlim(xs_all[0] - pad, xs_all[-1] + pad)
+    ax.grid(True, alpha=0.3)
+    vals = [ln.get_ydata() for ln in ax.get_lines()]
+    ys_all = [float(v) for arr in vals for v in np.atleast_1d(arr)]
+    lo, hi = (min(ys_all), max(ys_all)) if ys_all else (0.9, 1.1)
+    span = max(hi - lo, 0.1)
+    ax.set_ylim(lo - 0.12 * span, hi + 0.15 * span)

@@ -20,7 +20,6 @@ does not already begin with it (``prepend_bos``; see
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
 from typing import Sequence
 
@@ -32,12 +31,9 @@ __all__ = ["BuiltinChatTemplate", "builtin_names", "is_jinja", "check_chat_templ
 @lru_cache(maxsize=1)
 def builtin_names() -> tuple[str, ...]:
     """The names of llama.cpp's built-in chat templates, sorted."""
-    from ..llama.runtime import C
+    from ..llama.templates import builtin_template_names
 
-    n = int(C.llama_chat_builtin_templates(None, 0))
-    out = (ctypes.c_char_p * max(n, 1))()
-    n = int(C.llama_chat_builtin_templates(out, n))
-    return tuple(sorted(out[i].decode("utf-8") for i in range(n)))
+    return builtin_template_names()
 
 
 def is_jinja(value: str) -> bool:
@@ -85,36 +81,28 @@ class BuiltinChatTemplate:
         """The prompt text as llama.cpp renders it (the assistant's turn opened
         when ``add_generation_prompt``); a MarsError naming the template when
         llama.cpp refuses the messages."""
-        from ..llama.runtime import C
+        from ..llama.templates import apply_builtin_template
 
-        keep: list[bytes] = []  # the C strings live until the call returns
-        chat = (C.llama_chat_message * max(len(messages), 1))()
+        pairs: list[tuple[bytes, bytes]] = []
         for i, m in enumerate(messages):
             role, content = str(m.get("role", "")), str(m.get("content") or "")
-            for what, text in (("role", role), ("content", content)):
-                if "\0" in text:
-                    raise MarsError(
-                        f"message {i + 1}: the {what} contains a NUL character, which {self.name} cannot render"
-                    )
-                try:
-                    keep.append(text.encode("utf-8"))
-                except UnicodeEncodeError as exc:
-                    raise MarsError(
-                        f"message {i + 1}: the {what} cannot be encoded as UTF-8 (a lone surrogate at character "
-                        f"{exc.start}); decode the input as UTF-8 first"
-                    ) from None
-            chat[i].role, chat[i].content = keep[-2], keep[-1]
-        size = 256 + 2 * sum(len(b) for b in keep)
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = int(C.llama_chat_apply_template(self._tmpl, chat, len(messages), bool(add_generation_prompt),
-                                                buf, size))
-            if n < 0:
-                raise MarsError(f"{self.name} cannot render these messages (llama.cpp refused them)")
-            if n < size:
-                return buf.raw[:n].decode("utf-8", "replace")
-            size = n + 1
-        raise MarsError(f"{self.name} could not be rendered")  # pragma: no cover - the size was known
+            pairs.append((self._utf8(i, "role", role), self._utf8(i, "content", content)))
+        text = apply_builtin_template(self._tmpl, pairs, bool(add_generation_prompt))
+        if text is None:
+            raise MarsError(f"{self.name} cannot render these messages (llama.cpp refused them)")
+        return text
+
+    def _utf8(self, i: int, what: str, text: str) -> bytes:
+        """Message ``i``'s ``what`` as the C string llama.cpp reads; MarsError when it cannot be one."""
+        if "\0" in text:
+            raise MarsError(f"message {i + 1}: the {what} contains a NUL character, which {self.name} cannot render")
+        try:
+            return text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise MarsError(
+                f"message {i + 1}: the {what} cannot be encoded as UTF-8 (a lone surrogate at character "
+                f"{exc.start}); decode the input as UTF-8 first"
+            ) from None
 
 
 def make_chat_template(model, name: str, override: str | None):

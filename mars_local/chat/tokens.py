@@ -90,34 +90,24 @@ class _Vocab:
     """
 
     def __init__(self, model):
-        from ..llama.runtime import C, special_tokens
+        from ..llama.vocab import adds_eos, special_tokens, splits_raw_text, user_defined_tokens
 
         self.specials = sorted(special_tokens(model), key=lambda t: -len(t[0]))
         self.pattern = _trie_pattern(t for t, *_ in self.specials)
-        user_attr = C.LLAMA_TOKEN_ATTR_USER_DEFINED
         partitioned = {t for _, t, *_ in self.specials}
-        self.user = []
-        lengths = [4]
-        for t in range(model.n_vocab):
-            attr = int(C.llama_vocab_get_attr(model.vocab, t))
-            if attr & user_attr and t not in partitioned:  # control and user-defined: special parsing only
-                text = model.token_text(t).decode("utf-8", errors="replace")
-                if text:
-                    self.user.append((text, t, bool(attr & C.LLAMA_TOKEN_ATTR_LSTRIP),
-                                      bool(attr & C.LLAMA_TOKEN_ATTR_RSTRIP)))
-                    partitioned.add(t)
-            if t not in partitioned:
-                lengths.append(len(model.piece(t, True)))
+        # control and user-defined: special parsing only
+        self.user = [u for u in user_defined_tokens(model) if u[1] not in partitioned]
+        partitioned |= {t for _, t, *_ in self.user}
+        lengths = [4] + [len(model.piece(t, True)) for t in range(model.n_vocab) if t not in partitioned]
         self.user.sort(key=lambda u: -len(u[0]))
         self.user_pattern = _trie_pattern(t for t, *_ in self.user)
         self.info = {text: (t, ls, rs) for text, t, ls, rs in self.specials + self.user}
         self.strips = any(ls or rs for _, ls, rs in self.info.values())
-        kind = int(C.llama_vocab_type(model.vocab))
-        plain = kind in (C.LLAMA_VOCAB_TYPE_SPM, C.LLAMA_VOCAB_TYPE_BPE)
+        plain = splits_raw_text(model)
         self.max_bytes = max(lengths) if plain else None
         self.max_all = max([*lengths, *(len(text.encode()) for text in self.info)]) if plain else None
         self.exact = plain and _overlap_free(list(self.info))
-        self.add_eos = bool(C.llama_vocab_get_add_eos(model.vocab))
+        self.add_eos = adds_eos(model)
 
     @classmethod
     def of(cls, model) -> "_Vocab":

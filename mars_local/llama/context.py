@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.defaults import DEFAULTS, SETTINGS, check
+from ..core.defaults import DEFAULTS, check
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
@@ -18,13 +18,12 @@ from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
 from .runtime import Model, default_threads
 
-__all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "KV_TYPES", "MAX_CTX"]
+__all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "KV_TYPES"]
 
 
 # ----------------------------------------------------------------- context
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
-MAX_CTX = SETTINGS["n_ctx"].hi  # llama.cpp's positions are 32-bit; no model comes near this
 
 
 def _available_memory() -> int | None:
@@ -94,7 +93,7 @@ def context_params(model: Model, n_ctx, n_batch: int = DEFAULTS.n_batch, n_threa
     # 0 means the training context (llama.cpp's convention); a larger size
     # than the training context is allowed, as in llama.cpp (callers warn).
     requested = n_ctx if n_ctx > 0 else (model.n_ctx_train if model.n_ctx_train > 0 else DEFAULTS.n_ctx)
-    check("n_ctx", requested)  # at most MAX_CTX: the table's limit (core.defaults)
+    check("n_ctx", requested)  # at most the table's limit (core.defaults)
     n_ctx = max(16, requested)
     if kv_type not in KV_TYPES:
         raise MarsError(f"KV cache type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")

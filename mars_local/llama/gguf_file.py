@@ -49,6 +49,32 @@ class _Short(Exception):
     pass
 
 
+class _Reader:
+    """Little-endian reads from a buffer of ``size`` bytes; _Short past its end."""
+
+    def __init__(self, buf, size: int):
+        self.buf, self.size, self.pos = buf, size, 4  # after the magic
+
+    def take(self, fmt: str):
+        n = struct.calcsize(fmt)
+        if self.pos + n > self.size:
+            raise _Short
+        v = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return v[0] if len(v) == 1 else v
+
+    def skip(self, n: int) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise _Short
+        self.pos += n
+
+    def string(self) -> bytes:
+        n = self.take("<Q")
+        start = self.pos
+        self.skip(n)
+        return bytes(self.buf[start:self.pos])
+
+
 def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
     """(bytes the header says the file holds, bytes it has), from the header
     alone (memory-mapped: only the header's pages are read).  None when the
@@ -60,78 +86,72 @@ def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
             raise _Short
         buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        pos = 4
-
-        def take(fmt: str):
-            nonlocal pos
-            n = struct.calcsize(fmt)
-            if pos + n > size:
-                raise _Short
-            v = struct.unpack_from(fmt, buf, pos)
-            pos += n
-            return v[0] if len(v) == 1 else v
-
-        def skip(n: int) -> None:
-            nonlocal pos
-            if n < 0 or pos + n > size:
-                raise _Short
-            pos += n
-
-        def string() -> bytes:
-            n = take("<Q")
-            start = pos
-            skip(n)
-            return bytes(buf[start:pos])
-
-        version = take("<I")
+        r = _Reader(buf, size)
+        version = r.take("<I")
         if version not in (2, 3):
             return None
-        n_tensors, n_kv = take("<QQ")
+        n_tensors, n_kv = r.take("<QQ")
         if n_tensors > 1 << 20 or n_kv > 1 << 20:
             return None  # not a header this check can judge cheaply
-        alignment = 32
-        for _ in range(n_kv):
-            key = string()
-            vtype = take("<I")
-            if vtype == 8:
-                val = string()
-            elif vtype == 9:
-                atype, n = take("<IQ")
-                if n > 1 << 26:
-                    return None
-                if atype == 8:
-                    for _ in range(n):
-                        skip(take("<Q"))
-                elif atype in _GGUF_SCALAR:
-                    skip(_GGUF_SCALAR[atype] * n)
-                else:
-                    return None
-                continue
-            elif vtype in _GGUF_SCALAR:
-                val = take("<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR[vtype]])
-            else:
-                return None
-            if key == b"general.alignment" and vtype == 4 and val > 0:
-                alignment = val
-        end = 0
-        for _ in range(n_tensors):
-            skip(take("<Q"))  # name
-            n_dims = take("<I")
-            if n_dims > 8:
-                return None
-            dims = [take("<Q") for _ in range(n_dims)]
-            ttype, offset = take("<IQ")
-            if ttype not in _GGML_BLOCKS:
-                return None
-            block, nbytes = _GGML_BLOCKS[ttype]
-            n_el = 1
-            for d in dims:
-                n_el *= d
-            end = max(end, offset + n_el // block * nbytes)
-        data_start = -(-pos // alignment) * alignment
+        alignment = _read_metadata(r, n_kv)
+        end = _read_tensor_infos(r, n_tensors) if alignment is not None else None
+        if end is None:
+            return None
+        data_start = -(-r.pos // alignment) * alignment
         return data_start + end, size
     finally:
         buf.close()
+
+
+def _read_metadata(r: _Reader, n_kv: int) -> int | None:
+    """Past the ``n_kv`` key/value pairs; the data alignment they give (None: a type this parser
+    does not know, or an array too long to judge cheaply)."""
+    alignment = 32
+    for _ in range(n_kv):
+        key = r.string()
+        vtype = r.take("<I")
+        if vtype == 8:
+            val = r.string()
+        elif vtype == 9:
+            atype, n = r.take("<IQ")
+            if n > 1 << 26:
+                return None
+            if atype == 8:
+                for _ in range(n):
+                    r.skip(r.take("<Q"))
+            elif atype in _GGUF_SCALAR:
+                r.skip(_GGUF_SCALAR[atype] * n)
+            else:
+                return None
+            continue
+        elif vtype in _GGUF_SCALAR:
+            val = r.take("<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR[vtype]])
+        else:
+            return None
+        if key == b"general.alignment" and vtype == 4 and val > 0:
+            alignment = val
+    return alignment
+
+
+def _read_tensor_infos(r: _Reader, n_tensors: int) -> int | None:
+    """Past the ``n_tensors`` tensor infos; the end of their data, from the data section's start
+    (None: a tensor type or shape this parser does not know)."""
+    end = 0
+    for _ in range(n_tensors):
+        r.skip(r.take("<Q"))  # name
+        n_dims = r.take("<I")
+        if n_dims > 8:
+            return None
+        dims = [r.take("<Q") for _ in range(n_dims)]
+        ttype, offset = r.take("<IQ")
+        if ttype not in _GGML_BLOCKS:
+            return None
+        block, nbytes = _GGML_BLOCKS[ttype]
+        n_el = 1
+        for d in dims:
+            n_el *= d
+        end = max(end, offset + n_el // block * nbytes)
+    return end
 
 
 def _check_gguf_extent(path: Path) -> None:

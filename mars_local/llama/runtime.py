@@ -1,9 +1,9 @@
-"""Thin ownership layer over llama.cpp's C API (llama-cpp-python's ctypes module).
+"""Thin ownership layer over llama.cpp's C API (llama-cpp-python's ctypes module): models.
 
-One :class:`Model` per GGUF file, one :class:`Context` per model with its own
-``llama_batch`` and a mirror of the tokens in its KV cache, so rollback and
-prefix reuse are exact.  Logits come back as zero-copy numpy views that are
-valid only until the next decode on the same context.
+One :class:`Model` per GGUF file (its vocabulary, metadata, tokenizing and pieces), the
+draft/target tokenizer check, what this build and machine offer (backend, GPU offload,
+threads, a busy-CPU note).  Contexts, with their KV mirror and logits views, are
+:mod:`.context`'s.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core.errors import MarsError
-from .backend import C, LLAMA_CPP_PYTHON_VERSION, init_backend  # noqa: F401  (C: the ctypes API)
+from .backend import C, LLAMA_CPP_PYTHON_VERSION, init_backend
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
 from .gguf_file import check_gguf_file
 
-__all__ = ["Model", "check_vocab_compatible", "backend_info", "build_fingerprint", "init_backend"]
+__all__ = ["Model", "check_vocab_compatible", "backend_info", "build_fingerprint"]
 
 
 def gpu_offload_supported() -> bool:
@@ -286,17 +286,3 @@ def check_vocab_compatible(target: Model, draft: Model) -> None:
     for t in range(VOCAB_CHECK_START_ID, min(target.n_vocab, draft.n_vocab)):
         if target.token_text(t) != draft.token_text(t):
             fail(f"token {t} differs")
-
-
-def special_tokens(model: Model) -> list[tuple[str, int, bool, bool]]:
-    """(text, id, lstrip, rstrip) of every token that llama.cpp's tokenizer
-    parses as special only when asked to (control and unknown tokens)."""
-    want = C.LLAMA_TOKEN_ATTR_CONTROL | C.LLAMA_TOKEN_ATTR_UNKNOWN
-    out = []
-    for t in range(model.n_vocab):
-        attr = int(C.llama_vocab_get_attr(model.vocab, t))
-        if attr & want:
-            text = model.token_text(t).decode("utf-8", errors="replace")
-            if text:
-                out.append((text, t, bool(attr & C.LLAMA_TOKEN_ATTR_LSTRIP), bool(attr & C.LLAMA_TOKEN_ATTR_RSTRIP)))
-    return out

@@ -7,7 +7,8 @@ may choose its own speculation with the ``speculative`` extension object
 (:mod:`.app`), served by uvicorn on a socket bound here first, so that a busy
 port is one clear error line and ``--port 0`` picks a free one.
 
-Needs the ``server`` extra (``pip install 'mars-local[server]'``).
+Needs the ``server`` extra (``pip install 'mars-local[server]'``).  May import anything of
+mars_local but :mod:`mars_local.cli`.
 """
 
 from __future__ import annotations

@@ -302,6 +302,20 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="mars-local", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = srv
+    _add_error_handlers(app)
+    _add_routes(app, srv, settings)
+    if settings.cors:  # web pages on these origins may call the API from a browser
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors), allow_methods=["GET", "POST"],
+                           allow_headers=["*"])
+    app.add_middleware(_Guard, settings=settings)  # outside CORS: a foreign origin's preflight is refused too
+    app.add_middleware(_CountRequests, metrics=srv.metrics)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error is an OpenAI-style JSON error body; an unexpected one is also a line on stderr."""
 
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
@@ -316,6 +330,10 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
     async def internal_error(request, exc: Exception):
         print(f"mars serve: {request.url.path}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return _error(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+def _add_routes(app: FastAPI, srv: _Server, settings: ServerSettings) -> None:
+    """The OpenAI-compatible endpoints, the model cards, /health and /metrics."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: HttpRequest):
@@ -352,13 +370,4 @@ def create_app(engine, settings: ServerSettings) -> FastAPI:
         srv.metrics.queue_depth.set(srv.worker.waiting)
         srv.metrics.set_load(srv.worker)
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    if settings.cors:  # web pages on these origins may call the API from a browser
-        from fastapi.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors), allow_methods=["GET", "POST"],
-                           allow_headers=["*"])
-    app.add_middleware(_Guard, settings=settings)  # outside CORS: a foreign origin's preflight is refused too
-    app.add_middleware(_CountRequests, metrics=srv.metrics)
-    return app
 

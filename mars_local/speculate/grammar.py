@@ -1,9 +1,12 @@
-"""Grammars for structured output: GBNF text, JSON, JSON schemas.
+"""Grammars for structured output: GBNF text, JSON, JSON schemas, and llama.cpp's grammar sampler.
 
-The engine constrains generation with llama.cpp's own grammar sampler (see
-``runtime.Grammar``); this module only produces GBNF text, with
-llama-cpp-python's JSON grammar and JSON-schema converter (imported lazily, so
-importing this module loads no llama.cpp).
+GBNF text comes from a file, llama-cpp-python's JSON grammar or its JSON-schema converter
+(imported lazily, so importing this module loads no llama.cpp); its cost is bounded before
+llama.cpp parses it (:mod:`.grammar_check`, pure).  :class:`GrammarState` wraps llama.cpp's
+grammar sampler, which the engine masks logits with and clones along each draft.  It calls
+llama.cpp outside :mod:`mars_local.llama` (through :data:`mars_local.llama.backend.C`, as
+:mod:`.native` does for the verify kernel): the sampler is a per-generation state of the
+engine's loop, and the check of a grammar's cost belongs to this package.
 """
 
 from __future__ import annotations
@@ -11,9 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -196,7 +197,7 @@ class GrammarState:
     """
 
     def __init__(self, model, text: str | None = None, root: str = "root", *, _handle=None):
-        import llama_cpp as C
+        from ..llama.backend import C
 
         self._C, self.model = C, model
         if _handle is None:

@@ -70,87 +70,128 @@ def grammar_cost(text: str) -> GrammarCost:
     """The :class:`GrammarCost` of GBNF ``text``, in one pass over its tokens and two over its
     items (linear in its length).  It follows the syntax of llama.cpp's parser (rules,
     alternatives, groups, literals, classes, tokens, repetitions), leniently."""
-    # rules[id]: alternatives; an alternative: items (ref: a rule id, -1 a terminal, -2 a wildcard
-    # terminal; optional; fan: the stacks it opens; elements)
-    rules: list[list[list[tuple]]] = []
-    ids: dict[str, int] = {}
-    frames: list[tuple] = []  # (rule id, nested) of the rules and groups being read
-    depth = 0
-    name, newline_ok = None, True
-
-    def rule_id(n: str) -> int:
-        if n not in ids:
-            ids[n] = len(rules)
-            rules.append([])
-        return ids[n]
-
+    reader = _Reader()
     for m in _TOKENS.finditer(text):
         kind = m.lastgroup
-        if kind is None:
-            continue
+        if kind is not None and not reader.feed(kind, m.group()):
+            return GrammarCost(depth=reader.depth)  # nested too deep: refused without measuring
+    return _measure(reader.rules, reader.depth)
+
+
+class _Reader:
+    """The rules of a GBNF text, token by token.
+
+    ``rules[id]``: its alternatives; an alternative: its items ``(ref, optional, fan, elements)``
+    (ref: a rule id, -1 a terminal, -2 a wildcard terminal; fan: the parse stacks it opens)."""
+
+    def __init__(self):
+        self.rules: list[list[list[tuple]]] = []
+        self.ids: dict[str, int] = {}
+        self.frames: list[tuple] = []  # (rule id, nested) of the rules and groups being read
+        self.depth = 0
+        self.name, self.newline_ok = None, True
+
+    def rule_id(self, n: str) -> int:
+        if n not in self.ids:
+            self.ids[n] = len(self.rules)
+            self.rules.append([])
+        return self.ids[n]
+
+    def feed(self, kind: str, tok: str) -> bool:
+        """Read one token; False when groups nest deeper than MAX_GRAMMAR_DEPTH."""
+        frames = self.frames
         if kind == "nl":
-            if frames and not frames[-1][1] and not newline_ok:
+            if frames and not frames[-1][1] and not self.newline_ok:
                 frames.pop()  # the end of a rule
-                name, newline_ok = None, True
-            continue
+                self.name, self.newline_ok = None, True
+            return True
         if not frames:  # between rules: NAME ::=
-            if kind == "name":
-                name = m.group()
-            elif kind == "def" and name is not None:
-                r = rule_id(name)
-                rules[r].append([])
-                frames.append((r, False))
-                newline_ok = True
-            else:
-                name = None
-            continue
-        newline_ok = False
-        alt = rules[frames[-1][0]][-1]
+            self._header(kind, tok)
+            return True
+        self.newline_ok = False
+        alt = self.rules[frames[-1][0]][-1]
         if kind == "lit":
-            size = len(m.group()) - 2
+            size = len(tok) - 2
             alt.append((-1, size <= 0, 1 if size > 0 else 0, max(size, 0)))
         elif kind == "cls":
-            alt.append((-2, False, 1, max(len(m.group()) - 2, 1)))
+            alt.append((-2, False, 1, max(len(tok) - 2, 1)))
         elif kind == "name":
-            alt.append((rule_id(m.group()), False, 1, 1))
+            alt.append((self.rule_id(tok), False, 1, 1))
         elif kind == "tok":
             alt.append((-1, False, 1, 1))
         elif kind == "rep":
-            if not alt:
-                continue
-            t = m.group()
-            lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(t, (0, None))
-            if t[0] == "{":
-                low, comma, high = t.strip("{}").partition(",")
-                lo = int(low) if low.strip().isdigit() else 0
-                hi = (int(high) if high.strip().isdigit() else None) if comma else lo
-            ref, opt, fan, size = alt[-1]
-            alt[-1] = (ref, opt or lo == 0, fan, min(size * max(1, lo, hi or 0), _CAP))
+            if alt:
+                alt[-1] = _repeated(alt[-1], tok)
         else:
-            op = m.group()
-            if op == "(":
-                frames.append((len(rules), True))
-                rules.append([[]])
-                if len(frames) > depth + 1:
-                    depth = len(frames) - 1
-                    if depth > MAX_GRAMMAR_DEPTH:
-                        return GrammarCost(depth=depth)
-                newline_ok = True
-            elif op == ")" and frames[-1][1]:
-                group = frames.pop()[0]
-                rules[frames[-1][0]][-1].append((group, False, 1, 1))
-            elif op == "|":
-                rules[frames[-1][0]].append([])
-                newline_ok = True
-            elif op == ".":
-                alt.append((-2, False, 1, 1))
-    return _measure(rules, depth)
+            return self._operator(tok, alt)
+        return True
+
+    def _header(self, kind: str, tok: str) -> None:
+        if kind == "name":
+            self.name = tok
+        elif kind == "def" and self.name is not None:
+            r = self.rule_id(self.name)
+            self.rules[r].append([])
+            self.frames.append((r, False))
+            self.newline_ok = True
+        else:
+            self.name = None
+
+    def _operator(self, op: str, alt: list) -> bool:
+        frames, rules = self.frames, self.rules
+        if op == "(":
+            frames.append((len(rules), True))
+            rules.append([[]])
+            if len(frames) > self.depth + 1:
+                self.depth = len(frames) - 1
+                if self.depth > MAX_GRAMMAR_DEPTH:
+                    return False
+            self.newline_ok = True
+        elif op == ")" and frames[-1][1]:
+            group = frames.pop()[0]
+            rules[frames[-1][0]][-1].append((group, False, 1, 1))
+        elif op == "|":
+            rules[frames[-1][0]].append([])
+            self.newline_ok = True
+        elif op == ".":
+            alt.append((-2, False, 1, 1))
+        return True
+
+
+def _repeated(item: tuple, rep: str) -> tuple:
+    """An item under a repetition (``*``, ``+``, ``?``, ``{m}``, ``{m,}``, ``{m,n}``)."""
+    lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}.get(rep, (0, None))
+    if rep[0] == "{":
+        low, comma, high = rep.strip("{}").partition(",")
+        lo = int(low) if low.strip().isdigit() else 0
+        hi = (int(high) if high.strip().isdigit() else None) if comma else lo
+    ref, opt, fan, size = item
+    return (ref, opt or lo == 0, fan, min(size * max(1, lo, hi or 0), _CAP))
 
 
 def _measure(rules: list, depth: int) -> GrammarCost:
-    n = len(rules)
-    # a wildcard (ref -2: "." or a class) followed by k more weighs 2 + k (at most _MAX_WALK): the
-    # sampler walks a token that deep into that alternative before refusing it
+    _weigh_wildcards(rules)
+    nullable = _nullable(rules)
+    fan = _fan_outs(rules, nullable)
+    # the widest point: a rule's expansion, or a position inside an alternative (its item's
+    # fan-out, plus what follows while items are nullable); and the elements
+    widest, elements = max(fan + [1]), 0
+    for alts in rules:
+        elements += len(alts)
+        for alt in alts:
+            acc = 1
+            for ref, opt, f, size in reversed(alt):
+                fi = fan[ref] if ref >= 0 else f
+                acc = min(fi + acc, _CAP) if opt or (ref >= 0 and nullable[ref]) else fi
+                if acc > widest:
+                    widest = acc
+                elements += size
+    return GrammarCost(alternatives=widest, elements=min(elements, _CAP), rules=len(rules), depth=depth)
+
+
+def _weigh_wildcards(rules: list) -> None:
+    """A wildcard (ref -2: "." or a class) followed by k more weighs 2 + k (at most _MAX_WALK): the
+    sampler walks a token that deep into that alternative before refusing it (in place)."""
     for alts in rules:
         for alt in alts:
             run = 0
@@ -161,7 +202,11 @@ def _measure(rules: list, depth: int) -> GrammarCost:
                     alt[k] = (ref, opt, 1 + run, size)
                 else:
                     run = 0
-    # nullable rules (that match the empty string): a worklist over the alternatives
+
+
+def _nullable(rules: list) -> list[bool]:
+    """The rules that match the empty string: a worklist over the alternatives."""
+    n = len(rules)
     nullable = [False] * n
     owner, pending, users, work = [], [], [[] for _ in range(n)], []
     for r, alts in enumerate(rules):
@@ -186,11 +231,15 @@ def _measure(rules: list, depth: int) -> GrammarCost:
             pending[a] -= 1
             if pending[a] == 0:
                 work.append(owner[a])
+    return nullable
 
-    # fan-out of a rule: the parse stacks its expansion opens = the sum over its alternatives of
-    # the fan-outs of their leading items up to the first that is not nullable (llama.cpp expands
-    # those at once).  Evaluated in a depth-first post-order of these "left corner" references;
-    # a cycle (left recursion, which llama.cpp refuses) counts 1.
+
+def _fan_outs(rules: list, nullable: list[bool]) -> list[int]:
+    """The fan-out of each rule: the parse stacks its expansion opens = the sum over its
+    alternatives of the fan-outs of their leading items up to the first that is not nullable
+    (llama.cpp expands those at once).  Evaluated in a depth-first post-order of these "left
+    corner" references; a cycle (left recursion, which llama.cpp refuses) counts 1."""
+    n = len(rules)
     fan = [1] * n
     done = [False] * n
 
@@ -235,21 +284,7 @@ def _measure(rules: list, depth: int) -> GrammarCost:
             stack.pop()
             open_.discard(r)
             fan[r], done[r] = rule_fan(r), True
-
-    # the widest point: a rule's expansion, or a position inside an alternative (its item's
-    # fan-out, plus what follows while items are nullable); and the elements
-    widest, elements = max(fan + [1]), 0
-    for alts in rules:
-        elements += len(alts)
-        for alt in alts:
-            acc = 1
-            for ref, opt, f, size in reversed(alt):
-                fi = fan[ref] if ref >= 0 else f
-                acc = min(fi + acc, _CAP) if opt or (ref >= 0 and nullable[ref]) else fi
-                if acc > widest:
-                    widest = acc
-                elements += size
-    return GrammarCost(alternatives=widest, elements=min(elements, _CAP), rules=n, depth=depth)
+    return fan
 
 
 def check_grammar_text(text: str) -> GrammarCost:
