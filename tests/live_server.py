@@ -11,10 +11,10 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
+
+from helpers import MARS_SCRIPT
 
 READY = re.compile(r"mars serve: .* on (http://[^\s]+/v1)")
 
@@ -26,8 +26,7 @@ class LiveServer:
 
     @classmethod
     def start(cls, *args: str, timeout: float = 60.0, env: dict | None = None) -> "LiveServer":
-        mars = Path(sys.executable).with_name("mars")
-        cmd = [str(mars), "serve", "--port", "0", "-t", "2", *map(str, args)]
+        cmd = [*MARS_SCRIPT, "serve", "--port", "0", "-t", "2", *map(str, args)]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True, env={**os.environ, **(env or {})})
         lines: list[str] = []

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from helpers import run_python as run
 
 # Modules that must not load llama_cpp when imported (numpy and the standard
 # library only; chat_template imports jinja2 when a template is compiled).
@@ -39,10 +38,6 @@ PURE = [
     "mars_local.batch.jobs",
     "mars_local.models.registry",
 ]
-
-
-def run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("module", PURE)

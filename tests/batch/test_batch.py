@@ -20,25 +20,11 @@ import pytest
 from mars_local.batch import scan_output
 from mars_local.core.stats import SpecStats
 
-from fake_engine import fake_engine  # noqa: F401  (fixture)
-from helpers import invoke
+from helpers import MARS, invoke, mars, no_traceback, one_error_line
 
 FAKE = "fake.gguf"  # with the fake_engine fixture: no model is loaded
 
 EXIT_SKIPPED = 3  # records were skipped, the rest was done
-
-
-def no_traceback(r):
-    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
-    assert "Traceback" not in r.output
-
-
-def one_error_line(r, code=2):
-    no_traceback(r)
-    assert r.exit_code == code, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    return lines[0]
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -248,8 +234,7 @@ def test_output_naming_the_input_is_refused(fake_engine, two, tmp_path, monkeypa
 def test_output_naming_redirected_stdin_is_refused(tiny_target, two):
     before = two.read_bytes()
     with open(two, "rb") as fh:
-        r = subprocess.run([sys.executable, "-m", "mars_local", "batch", "-", "-o", str(two), "-m", str(tiny_target)],
-                           stdin=fh, capture_output=True, text=True)
+        r = mars("batch", "-", "-o", two, "-m", tiny_target, stdin=fh, text=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "input" in r.stderr
     assert two.read_bytes() == before
@@ -387,8 +372,7 @@ def test_skipped_exit_code_through_the_real_entry_point(tiny_target, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "a", "max_tokens": 2},
                                               {"id": 2, "prompt": "b", "seed": "x"}])
     out = tmp_path / "out.jsonl"
-    r = subprocess.run([sys.executable, "-m", "mars_local", "batch", str(inp), "-o", str(out), "-m", str(tiny_target)],
-                       capture_output=True, text=True)
+    r = mars("batch", inp, "-o", out, "-m", tiny_target, text=True)
     assert r.returncode == 3, r.stderr
     assert "Traceback" not in r.stderr and "line 2: 'seed'" in r.stderr
     assert ids_in(out) == [1]
@@ -431,13 +415,13 @@ def test_unwritable_output_is_checked_before_the_model_loads_as_any_user(fake_en
 
 
 # ------------------------------------------------- crash safety
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["1", "4"])
 def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(tiny_target, tmp_path, parallel):
     n = 40
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"w{i} hello"} for i in range(n)])
     out = tmp_path / "out.jsonl"
-    cmd = [sys.executable, "-m", "mars_local", "batch", str(inp), "-o", str(out), "-m", str(tiny_target), "-n", "32",
-           "--parallel", parallel]
+    cmd = [*MARS, "batch", str(inp), "-o", str(out), "-m", str(tiny_target), "-n", "32", "--parallel", parallel]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while time.time() < deadline and (not out.exists() or len(out.read_bytes().splitlines()) < 5):
@@ -454,7 +438,7 @@ def test_batch_killed_mid_run_resumes_without_loss_or_duplicates(tiny_target, tm
 
 # ------------------------------------------------- one run per output: the lock
 def mars_batch(*args) -> list[str]:
-    return [sys.executable, "-m", "mars_local", "batch", *map(str, args)]
+    return [*MARS, "batch", *map(str, args)]
 
 
 def hold_lock(path: Path):
@@ -469,7 +453,7 @@ def test_a_second_run_on_a_locked_output_is_refused_naming_the_holder(tiny_targe
     out = tmp_path / "out.jsonl"
     out.write_text(rec(1) + "\n")
     with hold_lock(out):
-        r = subprocess.run(mars_batch(two, "-o", out, "-m", tiny_target, "-n", 2), capture_output=True, text=True)
+        r = mars("batch", two, "-o", out, "-m", tiny_target, "-n", 2, text=True)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "out.jsonl" in lines[0], r.stderr
@@ -590,6 +574,7 @@ def test_ctrl_c_says_how_far_it_got_and_exits_130(fake_engine, tmp_path):
     assert ids_in(out) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_sigint_mid_run_and_a_concurrent_run_through_the_real_entry_point(tiny_target, tmp_path):
     n = 40
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"w{i} hello"} for i in range(n)])
@@ -623,6 +608,7 @@ def test_sigint_mid_run_and_a_concurrent_run_through_the_real_entry_point(tiny_t
     assert sorted(ids_in(out)) == sorted(f"r{i}" for i in range(n))  # every id exactly once
 
 
+@pytest.mark.slow
 def test_parallel_batch_writes_what_the_one_at_a_time_loop_writes(tiny_target, tiny_draft, tmp_path):
     """--parallel 4 (records decoded together, written as they finish): the same record per id
     as the one-at-a-time loop under strict greedy decoding, chat records and per-record settings included."""
@@ -632,8 +618,8 @@ def test_parallel_batch_writes_what_the_one_at_a_time_loop_writes(tiny_target, t
     texts = {}
     for p in ("1", "4"):
         out = tmp_path / f"out{p}.jsonl"
-        r = subprocess.run(mars_batch(inp, "-o", out, "-m", tiny_target, "-md", tiny_draft, "-n", "24", "--temp", "0",
-                                      "--verify", "strict", "--parallel", p), capture_output=True, text=True)
+        r = mars("batch", inp, "-o", out, "-m", tiny_target, "-md", tiny_draft, "-n", "24", "--temp", "0",
+                 "--verify", "strict", "--parallel", p, text=True)
         assert r.returncode == 0, r.stderr
         rows = [json.loads(x) for x in out.read_text().splitlines()]
         assert sorted(x["id"] for x in rows) == sorted(x["id"] for x in recs)

@@ -10,14 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from mars_local import bench as B
 from mars_local.core.errors import MarsError
 
-from helpers import invoke
-
-runner = CliRunner()
+from helpers import invoke, run_python
 
 ROW_KEYS = {
     "category", "method", "theta", "k", "tokens_per_second", "speedup_vs_plain", "acceptance_rate",
@@ -325,6 +322,7 @@ def test_settings_validation(tiny_target):
 
 
 # --------------------------------------------------------------------- CLI
+@pytest.mark.slow
 def test_cli_quick_json_contract(tiny_target, tiny_draft, tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     r = invoke("bench", "--quick", "-m", tiny_target, "-md", tiny_draft, "-c", 1024, "--json", out, "--plot", png)
@@ -604,11 +602,9 @@ def test_cli_bench_without_the_bench_extra(no_bench_extra, tiny_target, tmp_path
 
 
 def test_the_cli_does_not_import_the_bench_extra():
-    import subprocess
-
     code = ("import sys, mars_local.cli.main, mars_local.bench; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'rouge_score', 'sacrebleu', 'matplotlib'}))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = run_python(code, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 

@@ -19,7 +19,6 @@ from mars_local import Engine, MarsError
 from mars_local.chat.builtin import BuiltinChatTemplate, builtin_names, check_chat_template
 from mars_local.chat.tokens import tokenize_chat
 
-from fake_engine import fake_engine  # noqa: F401  (fixture)
 from tinymodels import CHATML, make_tiny_llama
 from helpers import invoke
 
@@ -201,6 +200,7 @@ GEMMA_JINJA = (
 )
 
 
+@pytest.mark.slow
 def test_gemma3_chats_with_the_builtin_gemma_template(gemma):
     import numpy as np
 
@@ -268,6 +268,7 @@ def test_chat_command_reads_a_block_as_one_message(fake_engine):
     assert r.exit_code == 0 and len(fake_engine.calls) == 2
 
 
+@pytest.mark.slow
 def test_chat_in_a_terminal_takes_a_paste_as_one_message(tiny_target):
     """A real pseudo-terminal: three lines written at once are one message;
     a line typed afterwards is the next one."""

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -12,8 +10,7 @@ from mars_local import GenerateConfig, MarsError
 from mars_local.models.registry import bench_drafters, choose_models
 from mars_local.core.stats import SpecStats
 
-from fake_engine import fake_engine  # noqa: F401  (fixture)
-from helpers import invoke
+from helpers import invoke, mars
 
 
 # ------------------------------------------------ with the fake engine (no model)
@@ -211,9 +208,7 @@ def test_bad_input_is_one_line_and_exit_2(bad_cases, case):
 
 def test_real_entry_point_has_no_traceback(not_gguf):
     """The installed console script path (python -m mars_local) behaves the same."""
-    p = subprocess.run(
-        [sys.executable, "-m", "mars_local", "run", "hi", "-m", str(not_gguf)], capture_output=True, text=True
-    )
+    p = mars("run", "hi", "-m", not_gguf, text=True)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error:")
     assert p.stdout == ""

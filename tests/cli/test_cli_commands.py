@@ -14,8 +14,8 @@ from mars_local import Engine, GenerateConfig, MarsError
 from mars_local.chat.session import ChatSession, ContextDropped, Interrupted, Text, TurnDone
 from mars_local.models.hub import split_parts
 
-from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
-from helpers import invoke, mars as _mars
+from fake_engine import FakeEngine
+from helpers import invoke, mars as _mars, one_error_line
 
 
 def mars(*args, **kw):  # text output here
@@ -23,13 +23,6 @@ def mars(*args, **kw):  # text output here
 
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def one_error_line(r, code=2):
-    assert r.exit_code == code, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    return lines[0]
 
 
 # ------------------------------------------------------------------- run
@@ -287,6 +280,7 @@ def test_pull_downloads_every_part_with_the_hub_client(monkeypatch, tmp_path):
     assert "unknown model" in one_error_line(invoke("pull", "no-such-pair"))
 
 
+@pytest.mark.slow
 def test_cached_hub_models_work_offline(tiny_target, tiny_draft, tmp_path):
     cache = tmp_path / "hf"
     fake_hf_cache(cache, "me/tiny-GGUF", {"tiny.gguf": tiny_target, "draft.gguf": tiny_draft})
@@ -316,6 +310,7 @@ def test_doctor_json():
     assert text.exit_code == 0 and "backend:" in text.stdout
 
 
+@pytest.mark.slow
 def test_learned_state_persists_shows_in_doctor_and_resets(tiny_target, tiny_draft, tmp_path):
     """A second process starts from what the first learned (no re-timing of
     verify windows); doctor lists it; --reset-learned forgets it."""

@@ -14,20 +14,11 @@ import pytest
 
 from mars_local.core.config import GenerateConfig
 
-from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
-from helpers import invoke
+from fake_engine import FakeEngine
+from helpers import invoke, one_error_line
 
 FAKE = "fake.gguf"
 D = GenerateConfig()  # the defaults
-
-
-def one_error_line(r, code=2) -> str:
-    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
-    assert "Traceback" not in r.output
-    assert r.exit_code == code, r.output
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
-    return lines[0]
 
 
 def ok(r):

@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,22 +18,7 @@ import pytest
 from tinymodels import make_tiny_llama
 
 
-from fake_engine import fake_engine  # noqa: F401  (fixture)
-from helpers import invoke, mars
-
-MARS = [sys.executable, "-m", "mars_local"]
-
-
-def err_lines(p) -> list[str]:
-    text = p.stderr.decode("utf-8", "replace") if isinstance(p.stderr, bytes) else p.stderr
-    assert "Traceback" not in text, text
-    return text.strip().splitlines()
-
-
-@pytest.fixture(scope="module")
-def empty_config(tmp_path_factory):
-    """A user config dir without models.yaml (the user's own never leaks into a test)."""
-    return {"MARS_CONFIG_DIR": str(tmp_path_factory.mktemp("cfg-empty"))}
+from helpers import MARS, invoke, mars, stderr_lines as err_lines
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +54,7 @@ def test_an_argument_with_a_lone_surrogate_is_replaced_with_one_warning(fake_eng
     assert [c[0] for c in fake_engine.calls] == ["caf\ufffd the a", "<system>be \ufffd brief<user>hi"]
 
 
+@pytest.mark.slow
 def test_invalid_utf8_through_the_real_entry_point(tiny_target, empty_config):
     p = mars("run", b"caf\xe9 the a", "-m", tiny_target, "-t", 1, "-n", 4, "--json", env=empty_config)
     assert p.returncode == 0, p.stderr

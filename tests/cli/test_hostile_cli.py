@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
-import sys
 import threading
 
 import pytest
@@ -21,27 +19,15 @@ from mars_local.speculate.grammar import (
     MAX_GRAMMAR_BYTES, GrammarState, check_grammar_text, grammar_from_json_schema, json_grammar,
 )
 
-from fake_engine import fake_engine  # noqa: F401  (fixture)
-from helpers import invoke, mars
+from helpers import MARS, invoke, mars, one_error_line as one_error
 
-MARS = [sys.executable, "-m", "mars_local"]
 LONG = "a" * 300  # longer than a file name may be (255 bytes on Linux)
 SURROGATE_GBNF = 'root ::= "\udcff"'  # what argv gives for root ::= "<byte 0xff>"
 
 
-def one_error(p) -> str:
-    """The single stderr line of a refused command (exit 2)."""
-    err = p.stderr.decode("utf-8", "replace") if isinstance(p.stderr, bytes) else p.stderr
-    rc = p.returncode if hasattr(p, "returncode") else p.exit_code
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error:"), (rc, err)
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return {"MARS_CONFIG_DIR": str(tmp_path_factory.mktemp("cfg-empty"))}
+def env(empty_config):
+    return empty_config
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +68,7 @@ def test_cli_grammar_with_bytes_that_are_not_utf8_is_replaced_with_one_warning(t
     assert json.loads(p.stdout)["text"] == "\ufffd"
 
 
+@pytest.mark.slow
 def test_a_batch_record_whose_grammar_is_not_utf8_is_skipped_and_the_rest_generated(tiny_target, env, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text('{"id": 1, "prompt": "hi", "grammar": "root ::= \\"\\udcff\\""}\n{"id": 2, "prompt": "hi"}\n')
@@ -265,9 +252,7 @@ def test_dev_zero_is_refused_without_reading_it_all(case, tiny_target, tmp_path,
 def test_dev_zero_on_standard_input(command, tiny_target, tmp_path, env):
     args = {"run": ["run", "-"], "batch": ["batch", "-", "-o", tmp_path / "out.jsonl"], "chat": ["chat"]}[command]
     with open("/dev/zero", "rb") as zero:
-        p = subprocess.run(MARS + [str(a) for a in args] + ["-m", str(tiny_target), "-t", "1"], stdin=zero,
-                           capture_output=True, timeout=60, env={**os.environ, **env},
-                           preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY)))
+        p = mars(*args, "-m", tiny_target, "-t", "1", stdin=zero, timeout=60, env=env, memory=MEMORY)
     assert "standard input is binary" in one_error(p)
 
 
@@ -328,7 +313,7 @@ def test_temperature_must_be_finite(value, tmp_path, env):
     assert "--temp" in line and "finite" in line
 
 
-def test_inline_json_that_is_not_an_object_says_so(tmp_path, env, fake_engine):  # noqa: F811
+def test_inline_json_that_is_not_an_object_says_so(tmp_path, env, fake_engine):
     for value in ["[1,2]", '"a string"', "true", "3", " [ ]"]:
         line = one_error(invoke("run", "hi", "-m", tmp_path / "missing.gguf", "-j", value, env=env))
         assert "JSON object" in line and "not found" not in line, (value, line)

@@ -91,6 +91,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("template", HOSTILE)
 def test_hostile_template_is_refused_quickly_in_small_memory(tiny_dir, template):
     path = tiny_with_template(tiny_dir, "hostile", template)

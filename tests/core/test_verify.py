@@ -170,6 +170,7 @@ Q = np.array([0.05, 0.5, 0.1, 0.2, 0.1, 0.05])
 T1 = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_sampled", [True, False], ids=["sampled-q", "deterministic"])
 def test_strict_sampling_preserves_the_target_distribution(draft_sampled):
     n = 20000
@@ -197,6 +198,7 @@ def test_statistical_test_detects_a_biased_rule():
     assert chisquare(counts, p * n).pvalue < 1e-6
 
 
+@pytest.mark.slow
 def test_truncated_sampling_preserves_the_truncated_distribution():
     params = SamplingParams(temperature=0.7, top_k=4, top_p=0.9, min_p=0.05)
     n = 20000
@@ -235,6 +237,7 @@ def test_mars_sampling_never_accepts_a_truncated_token():
         assert r.n_accepted == 0 and r.tokens == [3]
 
 
+@pytest.mark.slow
 def test_mars_sampling_decided_positions_follow_strict_distribution():
     """Where the target is decided, MARS at T>0 is the lossless rule."""
     logits = np.array([[3.0, 1.5, 1.0, 0.2, -0.5, 0.0], [0.0] * 6], dtype=np.float32)  # r = 0.5

@@ -150,6 +150,7 @@ def test_strict_generations_follow_plain_sampling(k, pipeline, sampled):
     assert p_value(strict_rule, k, PIPELINES[pipeline], sampled) > P_PASS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("broken", [bonus_from_the_wrong_row, uniform_bonus, correction_from_p],

@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,9 +18,10 @@ import pytest
 from mars_local.core.errors import MarsError
 from mars_local.llama.rpc import parse_endpoints, parse_tensor_split, probe
 
+from helpers import MARS_SCRIPT, mars as _mars
+
 ROOT = Path(__file__).resolve().parents[2]
 RPC_BIN = Path(os.environ.get("MARS_RPC_SERVER", ROOT / ".cache" / "rpc-server" / "current" / "ggml-rpc-server"))
-MARS = str(Path(sys.executable).with_name("mars"))
 PROMPT = "The three primary colours are"
 
 
@@ -70,9 +70,9 @@ def rpc_servers():
         s.stop()
 
 
-def mars(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([MARS, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def mars(*args, timeout: float = 180) -> subprocess.CompletedProcess:
+    """The installed console script, text output, nothing on standard input."""
+    return _mars(*args, timeout=timeout, text=True, stdin=subprocess.DEVNULL, script=True)
 
 
 def run_json(*args: str) -> dict:
@@ -121,6 +121,7 @@ def test_nothing_listening_is_one_line():
     assert "\n" not in err and "Traceback" not in err and time.monotonic() - t0 < 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reply", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"])
 def test_a_listener_that_is_not_an_rpc_server_is_one_line(reply):
     lsock = socket.socket()
@@ -162,6 +163,7 @@ def test_bad_rpc_flags_before_any_model_loads():
 
 
 # ------------------------------------------------------------------ split runs
+@pytest.mark.slow
 def test_doctor_lists_the_servers_with_their_memory(rpc_servers):
     out = mars("doctor", "--json", "--rpc", ",".join(s.endpoint for s in rpc_servers))
     assert out.returncode == 0, out.stderr
@@ -175,6 +177,7 @@ def test_doctor_lists_the_servers_with_their_memory(rpc_servers):
     assert text.returncode == 0 and f"RPC server {rpc_servers[0].endpoint}: ok" in text.stdout and "MiB free" in text.stdout
 
 
+@pytest.mark.slow
 def test_split_target_equals_local_plain_and_strict_equals_plain(smollm2, rpc_servers):
     rpc = ",".join(s.endpoint for s in rpc_servers)
     local = run_json("-m", smollm2, "--no-draft")
@@ -186,6 +189,7 @@ def test_split_target_equals_local_plain_and_strict_equals_plain(smollm2, rpc_se
     assert spec["stats"]["n_drafted"] > 0
 
 
+@pytest.mark.slow
 def test_the_layers_really_go_to_the_servers_and_the_draft_stays_local(smollm2, tmp_path, rpc_servers):
     from live_server import LiveServer
 
@@ -202,6 +206,7 @@ def test_the_layers_really_go_to_the_servers_and_the_draft_stays_local(smollm2, 
     assert grown < 20_000, grown
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_generation_is_one_line_and_batch_keeps_its_records(smollm2, tmp_path):
     if not RPC_BIN.exists():
         pytest.skip(f"rpc-server is not built ({RPC_BIN})")
@@ -212,7 +217,7 @@ def test_a_server_killed_mid_generation_is_one_line_and_batch_keeps_its_records(
                                            "max_tokens": 24 if i < 2 else 4000, "ignore_eos": i >= 2}) + "\n"
                                for i in range(4)))
         outp = tmp_path / "out.jsonl"
-        proc = subprocess.Popen([MARS, "batch", str(inp), "-o", str(outp), "-m", str(smollm2), "--no-draft",
+        proc = subprocess.Popen([*MARS_SCRIPT, "batch", str(inp), "-o", str(outp), "-m", str(smollm2), "--no-draft",
                                  "--rpc", victim.endpoint, "-t", "2", "--temp", "0"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 120
@@ -231,6 +236,7 @@ def test_a_server_killed_mid_generation_is_one_line_and_batch_keeps_its_records(
         victim.stop()
 
 
+@pytest.mark.slow
 def test_doctor_lists_the_reachable_servers_and_one_line_per_unreachable_one(rpc_servers):
     dead = f"127.0.0.1:{free_port()}"
     out = mars("doctor", "--rpc", f"{rpc_servers[0].endpoint},{dead}")

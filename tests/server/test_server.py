@@ -6,11 +6,10 @@ import json
 
 import pytest
 
-from fastapi.testclient import TestClient
-
 from fake_engine import FakeEngine
+from helpers import api_error as err, server_client
 from mars_local.core.config import GenerateConfig
-from mars_local.server.app import MAX_BODY, ServerSettings, create_app
+from mars_local.server.app import MAX_BODY
 
 KEY = "sekrit"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -18,30 +17,14 @@ JSON = {"Content-Type": "application/json"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
-def client(engine=None, **settings) -> TestClient:
-    eng = engine or FakeEngine(reply="hello world", chunk=2)
-    s = ServerSettings(GenerateConfig.make(max_tokens=-1), "fake", ("fake.gguf",), **{"api_key": KEY, "log": False,
-                                                                                        **settings})
-    c = TestClient(create_app(eng, s), raise_server_exceptions=False, base_url="http://127.0.0.1:8080")
-    c.engine = eng
-    return c
+def client(engine=None, **settings):
+    return server_client(engine, aliases=("fake.gguf",), **{"api_key": KEY, **settings})
 
 
 @pytest.fixture
 def api():
     with client() as c:
         yield c
-
-
-def err(r, status: int, code=None, param=None) -> dict:
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert set(e) == {"message", "type", "param", "code"} and e["message"]
-    if code is not None:
-        assert e["code"] == code
-    if param is not None:
-        assert e["param"] == param
-    return e
 
 
 def sse(r) -> list:

@@ -12,14 +12,16 @@ import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 import httpx
 import openai
 
+from helpers import mars
 from live_server import LiveServer
+
+pytestmark = pytest.mark.slow  # a live `mars serve` process per module, and `mars run` subprocesses
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -83,9 +85,8 @@ def test_strict_greedy_through_the_server_equals_mars_run(server, oa, tiny_targe
     prompt = "a story about a cat"
     r = oa.completions.create(model="target", prompt=prompt, max_tokens=40, temperature=0,
                               extra_body={"speculative": {"verify": "strict"}})
-    out = subprocess.run([str(Path(sys.executable).with_name("mars")), "run", "-m", str(tiny_target), "-md", str(tiny_draft), "--verify", "strict",
-                          "--temp", "0", "-n", "40", "-t", "2", "--json", prompt],
-                         capture_output=True, text=True, timeout=120)
+    out = mars("run", "-m", tiny_target, "-md", tiny_draft, "--verify", "strict", "--temp", "0", "-n", "40", "-t", "2",
+               "--json", prompt, text=True, script=True)
     assert out.returncode == 0, out.stderr
     ran = json.loads(out.stdout)
     assert r.choices[0].text == ran["text"] and r.usage.completion_tokens == len(ran["tokens"])
@@ -212,9 +213,8 @@ def test_strict_greedy_chat_on_smollm2_equals_mars_run_chat(smollm2):
             "messages": [{"role": "user", "content": question}], "max_tokens": 48, "logprobs": True})
         assert r.status_code == 200, r.text
         body = r.json()
-    out = subprocess.run([str(Path(sys.executable).with_name("mars")), "run", "-m", str(smollm2), "--drafter", "ngram",
-                          "--verify", "strict", "--temp", "0", "-n", "48", "-t", "2", "--chat", "--json", question],
-                         capture_output=True, text=True, timeout=120)
+    out = mars("run", "-m", smollm2, "--drafter", "ngram", "--verify", "strict", "--temp", "0", "-n", "48", "-t", "2",
+               "--chat", "--json", question, text=True, script=True)
     assert out.returncode == 0, out.stderr
     ran = json.loads(out.stdout)
     assert body["choices"][0]["message"]["content"] == ran["text"]
@@ -242,11 +242,6 @@ def test_a_shared_system_prompt_is_taken_from_the_kv_cache(oa):
     assert other.usage.prompt_tokens_details.cached_tokens <= 2
 
 
-def run_mars(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([str(Path(sys.executable).with_name("mars")), *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def test_bad_serve_flags_are_one_line_before_the_model_loads(tiny_target, server):
     port = server.base.rsplit(":", 1)[1]
     for args, words in [(["--port", "70000"], "--port must be in 0..65535"),
@@ -254,7 +249,7 @@ def test_bad_serve_flags_are_one_line_before_the_model_loads(tiny_target, server
                         (["--queue", "0"], "--queue must be >= 1"),
                         (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid"),
                         (["-m", "/nonexistent.gguf"], "not found")]:
-        out = run_mars("serve", "-m", str(tiny_target), *args)
+        out = mars("serve", "-m", tiny_target, *args, timeout=60, text=True, script=True)
         err = out.stderr.strip()
         assert out.returncode == 2 and words in err and "\n" not in err and "Traceback" not in err, (args, err)
 

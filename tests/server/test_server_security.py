@@ -10,38 +10,18 @@ import threading
 import time
 
 import pytest
-from fastapi.testclient import TestClient
-from typer.testing import CliRunner
 
-from fake_engine import FakeEngine, fake_engine  # noqa: F401  (fixture)
+from fake_engine import FakeEngine
+from helpers import api_error as err, invoke, server_client as client
 from mars_local.chat.tokens import PromptTooLong, TokenizingCancelled, tokenize_chat, tokenize_text
-from mars_local.cli.main import app as cli_app
 from mars_local.core.errors import MarsError
 from mars_local.core.config import GenerateConfig
 from mars_local.server import check_allowed_host, check_origin
-from mars_local.server.app import ServerSettings, create_app
 from mars_local.server.requests import parse_chat
 from mars_local.server.worker import Job, Worker
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 EVIL = "http://evil.example"
-
-
-def client(engine=None, base_url="http://127.0.0.1:8080", **settings) -> TestClient:
-    eng = engine or FakeEngine(reply="hello world", chunk=2)
-    s = ServerSettings(GenerateConfig.make(max_tokens=-1), "fake", **{"log": False, **settings})
-    c = TestClient(create_app(eng, s), raise_server_exceptions=False, base_url=base_url)
-    c.engine = eng
-    return c
-
-
-def err(r, status: int, code: str | None = None, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    e = r.json()["error"]
-    assert set(e) == {"message", "type", "param", "code"} and e["message"]
-    assert code is None or e["code"] == code
-    assert param is None or e["param"] == param
-    return e
 
 
 # ------------------------------------------------------------------ Origin
@@ -160,8 +140,8 @@ def test_allowed_host_values():
     (["--alias", "   "], "--alias is empty"),
     (["--allowed-host", "box:80"], "--allowed-host 'box:80'"),
 ])
-def test_bad_serve_flags_are_one_line_before_any_model_loads(fake_engine, args, words):  # noqa: F811
-    r = CliRunner().invoke(cli_app, ["serve", "-m", "fake.gguf", "--port", "0", *args])
+def test_bad_serve_flags_are_one_line_before_any_model_loads(fake_engine, args, words):
+    r = invoke("serve", "-m", "fake.gguf", "--port", "0", *args)
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in r.output

@@ -188,6 +188,7 @@ def _two_sample_p(a: list, b: list) -> float:
     return float(chi2_contingency(rows)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("verify", ["strict", "mars"])
 def test_sampling_in_a_batch_has_the_lone_distribution(engines, verify):
     """T = 1, fixed k: 300 seeds alone and 300 seeds sharing batches of 6; the 2nd and 3rd tokens

@@ -54,6 +54,7 @@ def test_strict_greedy_with_penalties_equals_plain_greedy(plain, spec, ngram, pe
     assert accepted > 0  # windows of several rows were verified, not just single tokens
 
 
+@pytest.mark.slow
 def test_strict_greedy_with_penalties_on_smollm2(smollm2, smollm2_f16):
     pen = dict(repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
     prompt = "List the colours of the rainbow, then list them again in reverse order:"
@@ -67,6 +68,7 @@ def test_strict_greedy_with_penalties_on_smollm2(smollm2, smollm2_f16):
     assert out.tokens == ref.tokens and out.stats.n_accepted > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 def test_strict_sampling_with_penalties_keeps_the_second_tokens_distribution(tiny_target, tiny_draft, draft_sampling):
     """The 2nd token (row 1 of a window: its history holds draft d_0) ~ the penalized p given the 1st."""
@@ -142,6 +144,7 @@ def test_stop_string_split_over_two_windows_is_cut_exactly(spec):
     assert sum(len(c.tokens) for c in got) < sum(len(c.tokens) for c in chunks)
 
 
+@pytest.mark.slow
 def test_stop_strings_on_smollm2_end_the_text_before_them(smollm2):
     with Engine(smollm2, drafter="ngram") as eng:
         full = eng.generate("Count from one to ten in words: one, two,", max_tokens=40).text
@@ -219,6 +222,7 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 def test_json_schema_output_with_sampling_and_speculation_always_parses(tiny_target, tiny_draft, draft_sampling):
     """100 generations at T = 1 with a draft model and MARS under a bounded JSON schema: every one
@@ -246,6 +250,7 @@ def test_schema_strings_exclude_control_characters():
     assert _JSON_CHAR in gbnf and _LAX_CHAR not in gbnf
 
 
+@pytest.mark.slow
 def test_format_json_on_smollm2_parses(smollm2):
     """--format json (any JSON value) on a real model at T = 1 with n-gram speculation and MARS."""
     ended = 0
@@ -276,6 +281,7 @@ def test_logprobs_are_the_target_rows_log_softmax_without_extra_forwards(plain, 
     assert base.logprobs is None and "logprobs" not in base.to_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", ['{"name": "Al', "{", '{"a": [1, 2', ""])
 def test_masking_only_the_best_candidates_keeps_the_rows_the_loop_reads(smollm2, prefix):
     """mask(row, need) gives the same best `need` allowed tokens and logits as the full mask

@@ -152,6 +152,7 @@ def test_sampled_runs_are_reproducible_with_a_seed(spec):
     assert a.tokens != c.tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
 def test_strict_sampling_preserves_the_models_next_token_distribution(tiny_target, tiny_draft, draft_sampling):
     """First generated token of many seeded speculative runs ~ the target's p."""

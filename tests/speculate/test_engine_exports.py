@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-
-def run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+from helpers import run_python as run
 
 
 def test_engine_names_load_on_first_use_and_the_backend_on_the_first_model(tiny_target):

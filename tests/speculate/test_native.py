@@ -133,6 +133,7 @@ def uniforms_for(draw, k: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------- properties
+@pytest.mark.slow
 @PROPERTY
 @given(data=st.data())
 def test_greedy_matches_numpy(data):
@@ -141,6 +142,7 @@ def test_greedy_matches_numpy(data):
     check(logits, draft, data.draw(configs(vocab)), data.draw(sampling(vocab, greedy=True)))
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(data=st.data())
 def test_sampling_with_deterministic_drafts_matches_numpy(data):
@@ -150,6 +152,7 @@ def test_sampling_with_deterministic_drafts_matches_numpy(data):
     check(logits, draft, data.draw(configs(vocab)), params, uniforms=uniforms_for(data.draw, k))
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(data=st.data())
 def test_sampling_with_sampled_drafts_matches_numpy(data):
@@ -169,6 +172,7 @@ def test_sampling_with_sampled_drafts_matches_numpy(data):
     check(logits, draft, data.draw(configs(vocab)), params, draft_probs=q, uniforms=uniforms_for(data.draw, k))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab", [49152, 151936])
 @pytest.mark.parametrize("temp", [0.0, 1.0], ids=["greedy", "T1"])
 @pytest.mark.parametrize("method", ["strict", "mars"])
