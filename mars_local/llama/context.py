@@ -18,7 +18,7 @@ from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
 from .runtime import Model, default_threads
 
-__all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "KV_TYPES"]
+__all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "available_memory", "KV_TYPES"]
 
 
 # ----------------------------------------------------------------- context
@@ -26,7 +26,7 @@ KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
 
-def _available_memory() -> int | None:
+def available_memory() -> int | None:
     """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
     try:
         with open("/proc/meminfo") as fh:
@@ -101,7 +101,7 @@ def context_params(model: Model, n_ctx, n_batch: int = DEFAULTS.n_batch, n_threa
     # On the CPU llama.cpp clears the whole cache when it allocates it, so a
     # cache larger than the free memory would swap or be OOM-killed: refuse
     # it first.  (A sliding-window model needs less than the estimate.)
-    avail = None if model.offloaded or C.llama_model_n_swa(model._model) > 0 else _available_memory()
+    avail = None if model.offloaded or C.llama_model_n_swa(model._model) > 0 else available_memory()
     if avail is not None and kv_bytes > avail:
         raise MarsError(
             f"a context of {requested:,} tokens needs about {_gib(kv_bytes)} of KV cache, more than the "

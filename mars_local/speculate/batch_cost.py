@@ -96,13 +96,13 @@ def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
     """The default --parallel: ``cap`` sequences (8: on a CPU a forward of 8 rows costs about
     3 single rows, and beyond 8 sequences the 64-row invariant bound leaves no room for
     drafts), fewer when their KV caches (target and draft) would take over half the free memory."""
-    from ..llama.context import _available_memory, kv_cache_bytes
+    from ..llama.context import available_memory, kv_cache_bytes
 
     n_ctx_seq = n_ctx_seq or engine.n_ctx
     per_seq = kv_cache_bytes(engine.target, n_ctx_seq)
     if engine.draft_model is not None:
         per_seq += kv_cache_bytes(engine.draft_model, n_ctx_seq)
-    avail = None if engine.target.offloaded else _available_memory()
+    avail = None if engine.target.offloaded else available_memory()
     if avail is None or per_seq <= 0:
         return cap
     return max(1, min(cap, int(avail * 0.5 // per_seq)))

@@ -186,10 +186,7 @@ class ModelDrafter(Drafter):
         confidence key and drafting stops as soon as ``extend(keys)`` is false."""
         ctx = self.ctx
         self._base = ctx.n_past
-        if k <= 0:
-            return EMPTY_DRAFT
-        k = min(k, ctx.n_ctx - len(tokens) - 1)  # the draft context must hold them too
-        if k <= 0:
+        if k <= 0:  # k fits: the draft context is as large as the target's, whose room bounds k (Run.draft_cap)
             return EMPTY_DRAFT
         row = ctx.eval(tokens[ctx.n_past :], 1)[0]  # pending tokens + last
         sampled = self.sampling == "sample" and not self.params.greedy

@@ -28,7 +28,7 @@ from .adaptive import AdaptiveK
 from ..core.choices import DrafterKind
 from .controllers import Controllers, calibrate, learned_keys
 from .controls import Controls, StopScanner
-from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
+from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream
@@ -43,6 +43,15 @@ from ..core.stats import SpecStats
 from ..core.verify import VerifyResult, verify
 
 __all__ = ["Engine", "GenerateConfig", "Generation", "Chunk", "Stream"]
+
+
+def _checked_template(chat_template: str | None) -> str | None:
+    """A built-in template's name or Jinja text (mars_local.chat.builtin), checked; None: the model's."""
+    if chat_template is not None:
+        from ..chat.builtin import check_chat_template
+
+        check_chat_template(chat_template)
+    return chat_template
 
 
 class Engine:
@@ -84,11 +93,7 @@ class Engine:
         """``controller(config, k_max)`` and ``drafter_factory(config, seed, controls)`` replace how a
         generation gets its draft-length controller and its drafter (seams for tests and experiments:
         the default is the learned adaptive controller, and the drafter of ``drafter``)."""
-        if chat_template is not None:  # a built-in's name or Jinja text (mars_local.chat.builtin)
-            from ..chat.builtin import check_chat_template
-
-            check_chat_template(chat_template)  # before any model loads
-        self._chat_template_arg = chat_template
+        self._chat_template_arg = _checked_template(chat_template)  # before any model loads
         self.drafter_kind = drafter = drafter_kind(drafter, draft)
         # rpc: llama.cpp RPC servers (HOST:PORT) that take the target's layers; the draft stays local
         target_devs, draft_devs = placement(rpc, rpc_draft)
@@ -110,16 +115,19 @@ class Engine:
         self._last_stats: SpecStats | None = None
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
-        # What the adaptive controllers learn is kept between processes
-        # (mars_local.speculate.learned), keyed by what it depends on.
+        device = f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}" + (f"|rpc={rpc}" if rpc else "")
+        self.controllers = self._open_controllers(learned, target, draft, device, n_gpu_layers, n_gpu_layers_draft)
+        self._controller_factory, self._drafter_factory = controller, drafter_factory
+
+    def _open_controllers(self, learned, target, draft, device: str, n_gpu_layers, n_gpu_layers_draft) -> Controllers:
+        """What the adaptive controllers learn is kept between processes (mars_local.speculate.learned),
+        keyed by what it depends on: the models, the drafter, the build and the device settings."""
         store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
         keys = learned_keys(
-            target, draft, drafter, (ngram_max, ngram_min), build=build_fingerprint(),
-            device=f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}" + (f"|rpc={rpc}" if rpc else ""),
-            n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
+            target, draft, self.drafter_kind, (self.ngram_max, self.ngram_min), build=build_fingerprint(),
+            device=device, n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,
         )
-        self.controllers = Controllers(store, keys, gpu=self.target.offloaded)
-        self._controller_factory, self._drafter_factory = controller, drafter_factory
+        return Controllers(store, keys, gpu=self.target.offloaded)
 
     def _load_draft(self, draft, n_gpu_layers_draft, devices, ctx_opts: dict) -> None:
         self.draft_model = Model(draft, n_gpu_layers_draft, devices=devices)

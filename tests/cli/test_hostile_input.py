@@ -10,6 +10,7 @@ import pytest
 
 from mars_local import Engine, MarsError
 from mars_local.llama.runtime import Model
+from mars_local.speculate.drafters import NgramDrafter
 from tinymodels import CHATML, make_tiny_llama
 
 HELLO = [{"role": "user", "content": "hello world"}]
@@ -316,13 +317,13 @@ def test_context_sizes_are_reported(tiny_target):
 def test_a_context_that_cannot_be_allocated_is_one_line(tiny_target, monkeypatch):
     from mars_local.llama import context as runtime  # the context owns the memory checks
 
-    monkeypatch.setattr(runtime, "_available_memory", lambda: 1 << 30)  # never try a real allocation
+    monkeypatch.setattr(runtime, "available_memory", lambda: 1 << 30)  # never try a real allocation
     for n in (10_000_000, 2**40):
         with pytest.raises(MarsError) as ei:
             Engine(tiny_target, n_ctx=n)
         msg = one_line(ei.value)
         assert "KV cache" in msg or "too large" in msg, msg
-    monkeypatch.setattr(runtime, "_available_memory", lambda: None)
+    monkeypatch.setattr(runtime, "available_memory", lambda: None)
     monkeypatch.setattr(runtime.C, "llama_init_from_model", lambda model, params: None)  # llama.cpp fails
     with pytest.raises(MarsError, match="cannot create a llama.cpp context of 4,096 tokens .*KV cache needs about"):
         Engine(tiny_target, n_ctx=4096)
@@ -345,20 +346,19 @@ def test_stats_are_final_after_close_or_ctrl_c(tiny_target):
         assert e.last_stats.stop_reason == "interrupted" and e.last_stats.time_total_s > 0
         assert e.generate("hello", max_tokens=3).stats.stop_reason in ("length", "eog")
 
-        real_eval, calls = e._ctx.eval, []
+    calls = []
 
-        def eval_then_ctrl_c(*a, **k):  # Ctrl-C inside the generator, in the middle of a decode
+    class CtrlCOnTheFourthRound(NgramDrafter):  # Ctrl-C inside the generator, in the middle of a round
+        def propose(self, tokens, k, extend=None):
             calls.append(1)
             if len(calls) == 4:
                 raise KeyboardInterrupt
-            return real_eval(*a, **k)
+            return super().propose(tokens, k, extend)
 
-        e._ctx.eval = eval_then_ctrl_c
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                e.generate("the a the a", max_tokens=50)
-        finally:
-            del e._ctx.eval
+    with Engine(tiny_target, drafter="ngram", n_ctx=512,
+                drafter_factory=lambda cfg, seed, controls: CtrlCOnTheFourthRound()) as e:
+        with pytest.raises(KeyboardInterrupt):
+            e.generate("the a the a", max_tokens=50, adaptive=False)
         st = e.last_stats
         assert st.stop_reason == "interrupted" and st.n_generated > 0 and st.time_total_s >= st.time_prompt_s > 0
         assert e.generate("hello", max_tokens=3).stats.n_generated > 0
