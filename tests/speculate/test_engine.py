@@ -176,6 +176,53 @@ def test_strict_sampling_preserves_the_models_next_token_distribution(tiny_targe
     assert chisquare(obs, exp).pvalue > 1e-3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3])
+def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k):
+    """The whole-generation check of tests/core/test_verify_stats.py, through the real loop: a drafter
+    given through the engine's seam samples k drafts from a fixed q != p (some outside p's support),
+    and the first two tokens of 2,000 seeded generations must follow p(t1) p(t2 | t1), with the
+    truncated pipeline (top-k 4, so 16 cells).  k = 1: t2 is the bonus row after an accepted draft or
+    the next round's row 0; k = 3: t2 is row 1 of a window whose history holds draft d_0."""
+    from mars_local.speculate.drafters import Draft, Drafter
+
+    params = dict(temperature=1.3, top_k=4, top_p=1.0, min_p=0.0)
+    sp = SamplingParams(**params)
+    with Engine(tiny_target, drafter="ngram") as eng:
+        toks = eng.tokenize("hello world")
+        p1 = probabilities(eng.logits(toks)[0], sp)
+        first = np.flatnonzero(p1)
+        p2 = {int(a): probabilities(eng.logits(toks + [int(a)])[0], sp) for a in first}
+    support = sorted(set(first) | {int(b) for row in p2.values() for b in np.flatnonzero(row)})
+    q = np.zeros(len(p1))
+    q[support] = 1.0
+    q[support[0]] = 4.0  # q != p, and favours one token
+    q[[5, 6, 7]] = 1.0  # tokens p never allows: always rejected
+    q /= q.sum()
+
+    class FromQ(Drafter):
+        def __init__(self, seed):
+            self.rng = np.random.default_rng(seed)
+
+        def propose(self, tokens, k_, extend=None):
+            return Draft([int(t) for t in self.rng.choice(len(q), size=k_, p=q)], np.tile(q, (k_, 1)))
+
+    n, counts = 2000, {}
+    with Engine(tiny_target, drafter="ngram", drafter_factory=lambda cfg, seed, controls: FromQ(seed)) as eng:
+        for seed in range(n):
+            out = eng.generate(toks, max_tokens=k + 1, verify="strict", draft_max=k, adaptive=False, seed=seed,
+                               **params)
+            t12 = tuple(out.tokens[:2])  # the tiny model's EOG is outside these supports: 2 tokens or more
+            counts[t12] = counts.get(t12, 0) + 1
+            accepted = out.stats.n_accepted if seed == 0 else accepted + out.stats.n_accepted
+    cells = [(int(a), int(b)) for a in first for b in np.flatnonzero(p2[int(a)])]
+    assert sum(counts.get(c, 0) for c in cells) == n  # nothing outside the law's support
+    exp = np.array([p1[a] * p2[a][b] * n for a, b in cells])
+    obs = np.array([counts.get(c, 0) for c in cells])
+    assert accepted > n // 10  # drafts were accepted, so the accept/bonus rows were exercised
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
 def test_kv_rollback_matches_a_fresh_evaluation(tiny_target):
     """Hundreds of random accept/rollback cycles leave the cache exact."""
     model = Model(tiny_target)
