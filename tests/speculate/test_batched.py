@@ -104,16 +104,16 @@ def test_a_sequence_joining_mid_generation_and_one_leaving_early(engines):
     want = [plain(eng, p, 30) for p in PROMPTS[:3]]
     sch = Scheduler(eng, 3)
     try:
-        a = sch.submit(PROMPTS[0], max_tokens=30, temperature=0, ignore_eos=True)
-        leaver = sch.submit(PROMPTS[5], max_tokens=200, temperature=0, ignore_eos=True)
+        a = sch.submit(PROMPTS[0], max_tokens=30, temperature=0, verify="strict", ignore_eos=True)
+        leaver = sch.submit(PROMPTS[5], max_tokens=200, temperature=0, verify="strict", ignore_eos=True)
         for _ in range(4):
             sch.step()
-        b = sch.submit(PROMPTS[1], max_tokens=30, temperature=0, ignore_eos=True)
+        b = sch.submit(PROMPTS[1], max_tokens=30, temperature=0, verify="strict", ignore_eos=True)
         sch.step()
         next(leaver)
         leaver.close()  # its client went away: the slot is free at once
         assert sch.n_live == 2 and leaver.stats.stop_reason == "interrupted"
-        c = sch.submit(PROMPTS[2], max_tokens=30, temperature=0, ignore_eos=True)
+        c = sch.submit(PROMPTS[2], max_tokens=30, temperature=0, verify="strict", ignore_eos=True)
         got = [[t for ch in s for t in ch.tokens] for s in (a, b, c)]
     finally:
         sch.close()
@@ -122,14 +122,14 @@ def test_a_sequence_joining_mid_generation_and_one_leaving_early(engines):
 
 def test_stop_strings_and_limits_stay_with_their_request(engines):
     eng = engines["ngram"]
-    alone = eng.generate(PROMPTS[1], max_tokens=40, temperature=0, ignore_eos=True)
+    alone = eng.generate(PROMPTS[1], max_tokens=40, temperature=0, verify="strict", ignore_eos=True)
     stop = alone.text[10:14]
     assert stop.strip()
     sch = Scheduler(eng, 4)
     try:
-        outs = sch.generate_many(PROMPTS[:4], max_tokens=40, temperature=0, ignore_eos=True)
-        s1 = sch.submit(PROMPTS[1], max_tokens=40, temperature=0, ignore_eos=True, stop=[stop])
-        s2 = sch.submit(PROMPTS[1], max_tokens=7, temperature=0, ignore_eos=True)
+        outs = sch.generate_many(PROMPTS[:4], max_tokens=40, temperature=0, verify="strict", ignore_eos=True)
+        s1 = sch.submit(PROMPTS[1], max_tokens=40, temperature=0, verify="strict", ignore_eos=True, stop=[stop])
+        s2 = sch.submit(PROMPTS[1], max_tokens=7, temperature=0, verify="strict", ignore_eos=True)
         t1, t2 = "".join(c.text for c in s1), [t for c in s2 for t in c.tokens]
     finally:
         sch.close()
