@@ -31,12 +31,14 @@ Configurations:
   llama-server plain  `llama-server -m T -np N`
   llama-server spec   `llama-server -m T -md D -np N` (draft-simple, --spec-draft-n-max K)
 
-`mars serve` answers one request at a time in arrival order; llama-server is
-started with -np N (N slots, one per client, decoded together in one batch:
-its normal way of serving concurrent clients; -c is split among the slots),
-so each llama-server row has its own process.  Every server gets one short
-warm-up request per configuration (not counted) before its timed run, and is
-stopped (SIGINT, then kill) at the end, on errors and on Ctrl-C too.
+`mars serve` runs with --parallel N by default (--parallel match: one server per
+client count N, its N sequences decoded together), or one server with --parallel
+P for every N; llama-server is started with -np N (N slots, one per client,
+decoded together in one batch), so each row has its own process.  -c is the
+context of one sequence: mars serve gets it as is (each sequence holds -c
+tokens), llama-server gets N x -c (it splits -c among its slots).  Every server
+gets one short warm-up request per configuration (not counted) before its timed
+run, and is stopped (SIGINT, then kill) at the end, on errors and on Ctrl-C too.
 
 Completion tokens come from ``usage.completion_tokens`` of the final chunk;
 for a llama-server without it, from ``timings.predicted_n``, else by counting
@@ -174,12 +176,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def mars_command(a: argparse.Namespace, max_clients: int) -> list[str]:
+def mars_command(a: argparse.Namespace, max_clients: int, parallel: int = 1) -> list[str]:
     exe = Path(sys.executable).with_name("mars")
     base = [str(exe)] if exe.is_file() else [sys.executable, "-m", "mars_local"]
     cmd = base + ["serve", "-m", a.model, "-md", a.draft, "--host", "127.0.0.1", "--port", "0",
                   "-t", str(a.threads), "-c", str(a.ctx_size), "--verify", a.verify, "--temp", "0",
-                  "--queue", str(max(64, 2 * max_clients)), "--quiet"]
+                  "--queue", str(max(64, 2 * max_clients)), "--parallel", str(parallel), "--quiet"]
     if a.ngl is not None:
         cmd += ["-ngl", a.ngl, "-ngld", a.ngl]
     return cmd
@@ -203,8 +205,9 @@ class LlamaServer:
         return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", self.help) is not None
 
     def command(self, a: argparse.Namespace, spec: bool, n_clients: int, port: int) -> list[str]:
+        # -c is per sequence here (as in mars serve); llama-server splits its -c among its slots
         cmd = [str(self.binary), "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
-               "-t", str(a.threads), "-c", str(a.ctx_size), "-np", str(n_clients)]
+               "-t", str(a.threads), "-c", str(a.ctx_size * n_clients), "-np", str(n_clients)]
         if a.ngl is not None:
             cmd += ["-ngl", a.ngl]
         if self.has("--no-webui"):
@@ -384,8 +387,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=2, help="Requests per client (default 2).")
     p.add_argument("-n", "--max-tokens", type=int, default=64, help="max_tokens of each request (default 64).")
     p.add_argument("-t", "--threads", type=int, default=2, help="Threads, passed to both servers (default 2).")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="Context size, passed to both servers "
-                                                                     "(default 4096).")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="Context of one sequence: mars serve's -c, "
+                                                                     "llama-server's -c / -np (default 4096).")
+    p.add_argument("--parallel", default="match",
+                   help="mars serve's --parallel: 'match' (default: one server per client count N, started "
+                        "with --parallel N, as llama-server gets -np N) or a number for one server for every N.")
     p.add_argument("--verify", choices=("strict", "mars"), default="strict",
                    help="mars serve's --verify (default strict).")
     p.add_argument("--draft-max", type=int, default=None,
@@ -411,6 +417,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not a.clients_list or min(a.clients_list) < 1:
         p.error(f"--clients must be integers >= 1, got {a.clients!r}")
     a.clients_list = list(dict.fromkeys(a.clients_list))
+    if a.parallel != "match" and not (a.parallel.isdigit() and int(a.parallel) >= 1):
+        p.error(f"--parallel must be 'match' or an integer >= 1, got {a.parallel!r}")
     for name, v, lo in (("--requests", a.requests, 1), ("-n/--max-tokens", a.max_tokens, 1),
                         ("-t/--threads", a.threads, 1), ("-c", a.ctx_size, 0), ("--draft-max", a.draft_max, 1)):
         if v is not None and v < lo:
@@ -476,18 +484,21 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> 
     def log(msg: str) -> None:
         print(f"serve_bench: {msg}", file=sys.stderr, flush=True)
 
-    # mars: one process, both configs, every N
-    srv = Server("mars serve", mars_command(a, max(a.clients_list)))
-    servers.append(srv)
-    commands["mars serve"] = shlex.join(srv.cmd)
-    srv.wait_ready_line(a.startup_timeout)
-    for config in ("mars spec", "mars plain"):
-        warm_up(a, config, srv.url, prompts)
-    for n in a.clients_list:
+    # mars: both configs in one process; --parallel match: one process per N with --parallel N
+    groups = ([(n, [n]) for n in a.clients_list] if a.parallel == "match"
+              else [(int(a.parallel), a.clients_list)])
+    for parallel, ns in groups:
+        srv = Server(f"mars serve (--parallel {parallel})", mars_command(a, max(ns), parallel))
+        servers.append(srv)
+        commands[f"mars serve, --parallel {parallel}"] = shlex.join(srv.cmd)
+        srv.wait_ready_line(a.startup_timeout)
         for config in ("mars spec", "mars plain"):
-            log(f"{config}, {n} client(s)")
-            rows.append(run_config(a, config, srv.url, n, prompts, stop))
-    srv.stop()
+            warm_up(a, config, srv.url, prompts)
+        for n in ns:
+            for config in ("mars spec", "mars plain"):
+                log(f"{config}, {n} client(s), --parallel {parallel}")
+                rows.append(run_config(a, config, srv.url, n, prompts, stop))
+        srv.stop()
 
     # llama-server: -np N, so one process per (config, N)
     if llama is not None:
@@ -504,8 +515,8 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> 
                 rows.append(run_config(a, config, srv.url, n, prompts, stop))
                 srv.stop()
         notes.append("llama-server runs with -np N = the number of clients (N slots decoded together: its normal "
-                     "way of serving concurrent clients; -c is split among the slots); mars serve answers one "
-                     "request at a time in arrival order")
+                     "way of serving concurrent clients) and -c = N x this -c (it splits -c among its slots; "
+                     "mars serve gives each sequence -c)")
         froms = sorted({r["tokens_from"] for r in rows if r["config"].startswith("llama-server")})
         notes.append(f"llama-server completion tokens from: {', '.join(froms)}")
     order = {c: i for i, c in enumerate(CONFIGS)}

@@ -28,6 +28,12 @@ What one decode may carry (exactness)
     padded rows are computed and then rolled back, never verified).
   * A prompt is prefilled in decodes of its own, chunked by ``n_batch`` like a
     lone run, never mixed with other sequences' windows.
+
+Reusing cells a sequence left behind (:func:`exact_reuse`)
+  A row's keys and values are those of a lone run when both were computed by
+  the same kernels: any two decodes of at most 64 rows, or the same chunk of
+  more than 64 rows.  So a new prompt may keep the cells of a common prefix only
+  as far as that holds for each of its lone run's chunks.
 """
 
 from __future__ import annotations
@@ -44,10 +50,40 @@ from .backend import C
 from .context import OwnsContext, context_params, create_context
 from .runtime import Model
 
-__all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView"]
+__all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView", "exact_reuse"]
 
 # rows one decode may carry with every row computed as alone (patches/0002, 0003): a verify window's bound
 MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
+
+
+def exact_reuse(cached: Sequence[int], old_prompt: int, new: Sequence[int], n_batch: int,
+                inv: int = MAX_INVARIANT_ROWS) -> int:
+    """How many leading cells of ``cached`` a sequence prefilling ``new`` may keep, its rows
+    staying exactly a lone run's (pure).
+
+    ``cached``: the tokens whose cells are held, of which the first ``old_prompt`` were a
+    prompt prefilled as a lone run does (chunks of ``n_batch`` from position 0) and the
+    rest came from windows of at most ``inv`` rows; ``new``: the tokens to prefill (a
+    prompt without its last token), chunked the same way.  Per chunk [c, e) of ``new``:
+    kept when both computations of its rows used the invariant kernels (``new``'s chunk
+    and ``cached``'s chunk at c, or windows, of at most ``inv`` rows), or when both were
+    the same chunk of more than ``inv`` rows of the same tokens; else reuse ends at c.
+    """
+    common = common_prefix_len(cached, new)
+    kept = c = 0
+    while c < common:
+        e_new = min(c + n_batch, len(new))
+        e_old = min(c + n_batch, old_prompt) if c < old_prompt else None
+        new_inv = e_new - c <= inv
+        old_inv = e_old is None or e_old - c <= inv
+        if new_inv and old_inv:
+            kept = min(common, e_new)
+        elif not new_inv and not old_inv and e_new == e_old and e_new <= common:
+            kept = e_new
+        else:
+            break
+        c += n_batch
+    return kept
 
 
 class MultiContext(OwnsContext):

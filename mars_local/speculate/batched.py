@@ -46,7 +46,8 @@ from ..core.config import Chunk, GenerateConfig, Generation
 from .run import Run as _Run
 from ..core.errors import MarsError
 from ..core.stats import SpecStats
-from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView
+from ..core.tokens import common_prefix_len
+from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView, exact_reuse
 from .adaptive import expected_tokens
 from .batch_cost import BatchCost, choose_window
 from .lockstep import DraftSteps
@@ -66,6 +67,7 @@ class _Seq:
     view: SeqView | None = None
     dview: SeqView | None = None  # the draft model's cells, when it drafts
     pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
+    ready: bool = False  # prompt prefilled, drafter begun: it decodes from the next round
     chunks: collections.deque = field(default_factory=collections.deque)
     done: bool = False
     error: BaseException | None = None
@@ -155,6 +157,9 @@ class Scheduler:
             self.dmc = MultiContext(engine.draft_model, n_parallel, n_seq_ctx, unified=True, **opts)
         self.cost = BatchCost()
         self._free = list(range(n_parallel))
+        # per slot: how many of its cached tokens were a prompt prefilled as a lone run does (the
+        # rest came from windows): a new prompt keeps what llama.streams.exact_reuse allows
+        self._prompt_len = [0] * n_parallel
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -207,7 +212,7 @@ class Scheduler:
         if not self._live:
             return False
         self._prefill()
-        decoding = [s for s in self._live.values() if not s.pending and not s.done]
+        decoding = [s for s in self._live.values() if s.ready and not s.done]
         if decoding:
             self._round(decoding)
         for slot, s in list(self._live.items()):
@@ -221,31 +226,52 @@ class Scheduler:
             s = self._waiting.popleft()
             if s.done:  # cancelled while waiting
                 continue
-            slot = min(self._free)
+            prompt = s.run.tokens[:-1]
+            slot, kept = self._best_slot(prompt)
             self._free.remove(slot)
             s.view = self.mc.seq(slot)
+            s.view.truncate(kept)  # the prefix its previous sequence left, as far as it is exact
+            self._prompt_len[slot] = len(prompt)
             s.dview = self.dmc.seq(slot) if self.dmc is not None else None
+            if s.dview is not None:  # the draft's numerics never change strict output: any common prefix
+                s.dview.truncate(common_prefix_len(s.dview.tokens, prompt))
             s.run.drafter = self.eng._make_drafter(s.run.cfg, s.run.seed, s.run.controls)
             if s.dview is not None and hasattr(s.run.drafter, "ctx"):
                 s.run.drafter.ctx = s.dview
-            s.pending = list(s.run.tokens[:-1])
+            s.pending = list(prompt[kept:])
             s.t_start = time.perf_counter()
             self._live[slot] = s
+
+    def _best_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """The free slot whose cells give the longest exact prefix of ``prompt``, and that length."""
+        best = min(self._free)
+        kept = 0
+        for slot in sorted(self._free):
+            view = self.mc.seq(slot)
+            n = exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch) if view.tokens else 0
+            if n > kept:
+                best, kept = slot, n
+        return best, kept
 
     def _prefill(self) -> None:
         """Joining sequences' prompts, about n_batch rows per round in all, each chunk in a decode
         of its own and cut where a lone run cuts it (every n_batch tokens from the start)."""
-        budget = self.mc.n_batch
+        nb = budget = self.mc.n_batch
         for s in list(self._live.values()):
             while s.pending and not s.done and budget > 0:
-                chunk, s.pending = s.pending[: self.mc.n_batch], s.pending[self.mc.n_batch:]
+                pos = s.view.n_past
+                cut = min((pos // nb + 1) * nb - pos, len(s.pending))  # a lone run's chunk ends there
+                chunk, s.pending = s.pending[:cut], s.pending[cut:]
                 budget -= len(chunk)
                 self._guard(s, lambda: s.view.eval(chunk, n_out=0))
                 s.run.stats.n_prompt_evaluated += len(chunk)
-                if not s.pending and not s.done:
-                    s.run.stats.time_prompt_target_s = time.perf_counter() - s.t_start
+            if not s.pending and not s.done and not s.ready:
+                s.run.stats.time_prompt_target_s = time.perf_counter() - s.t_start
+                if s.dview is None or s.run.drafter.cheap:
+                    # a draft model catches up in its first lockstep draft instead (nothing while k = 0)
                     self._guard(s, lambda: s.run.drafter.begin(s.run.tokens))
-                    s.run.stats.time_prompt_s = time.perf_counter() - s.t_start
+                s.run.stats.time_prompt_s = time.perf_counter() - s.t_start
+                s.ready = True
             if budget <= 0:
                 return
 
@@ -341,7 +367,13 @@ class Scheduler:
         live = [st for st, cap in zip(steps, caps) if cap > 0 and st.s.run.cfg.draft_max > 0 and not st.s.done]
         for st, cap in zip(steps, caps):
             st.k = cap
-        # catch up: the tokens the draft cache lacks, the last one included (any lengths: unified cache)
+        # catch up: the tokens the draft cache lacks, the last one included (any lengths: unified cache);
+        # a whole prompt (the draft's first round) alone first, chunked
+        for st in live:
+            toks, dv = st.s.run.tokens, st.s.dview
+            if len(toks) - dv.n_past > self.dmc.n_batch:
+                self._guard(st.s, lambda: dv.eval(toks[dv.n_past:-1], n_out=0))
+        live = [st for st in live if not st.s.done]
         windows = [(st.s.dview.seq_id, st.s.run.tokens[st.s.dview.n_past:]) for st in live]
         rows = self.dmc.decode_windows(windows, max_rows=self.dmc.n_batch, last_only=True) if live else []
         while live:
@@ -453,11 +485,17 @@ class Scheduler:
                 self._release(slot, s)
 
     def _release(self, slot: int, s: _Seq) -> None:
+        """Free the slot; its cells stay for the next sequence's prefix (after an error: cleared)."""
         if self._live.get(slot) is s:
             del self._live[slot]
-            s.view.clear()
-            if s.dview is not None:
-                s.dview.clear()
+            if s.error is not None:
+                s.view.clear()
+                if s.dview is not None:
+                    s.dview.clear()
+            else:  # committed tokens only (never a padded or unverified row)
+                s.view.truncate(max(0, len(s.run.tokens) - 1))
+                if s.dview is not None:
+                    s.dview.truncate(min(s.dview.n_past, max(0, len(s.run.tokens) - 1)))
             self._free.append(slot)
 
     def close(self) -> None:

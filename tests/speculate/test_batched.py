@@ -11,7 +11,7 @@ import pytest
 from mars_local import Engine
 from mars_local.llama.context import Context
 from mars_local.llama.runtime import Model
-from mars_local.llama.streams import MultiContext
+from mars_local.llama.streams import MultiContext, exact_reuse
 from mars_local.speculate.batch_cost import BatchCost, choose_window
 from mars_local.speculate.batched import Scheduler
 
@@ -56,6 +56,46 @@ def test_batch_cost_interpolates_between_timed_row_counts():
         c.observe(rows, t)
     got = c.costs()
     assert got[1] == pytest.approx(0.2) and got[5] == pytest.approx(0.6) and got[3] == pytest.approx(0.4)
+
+
+# ------------------------------------------- exact reuse of the cells a slot keeps (pure)
+def toks(n, start=0):
+    return list(range(start, start + n))
+
+
+@pytest.mark.parametrize("cached, old_prompt, new, expect", [
+    (toks(60), 39, toks(39) + [999], 39),           # short prompts: every row invariant, the common prefix
+    (toks(60), 30, toks(55) + [999] * 5, 55),       # old rows past its prompt came from windows: invariant too
+    (toks(100), 100, toks(100), 100),                # the same chunk of > 64 rows, same tokens
+    (toks(120), 120, toks(90) + [999] * 10, 0),      # chunks of > 64 rows that end elsewhere: not the same rows
+    (toks(120), 120, toks(40) + [999] * 10, 0),      # a new chunk of <= 64 rows, old rows from one of > 64
+    (toks(80), 30, toks(60) + [999] * 10, 0),        # a new chunk of 70 rows (> 64) over invariant old rows
+    (toks(600), 600, toks(550) + [999] * 50, 512),   # whole n_batch chunks kept, the differing one not
+    (toks(600), 600, toks(530) + [999] * 10, 512),   # a new last chunk of 28 rows over an old one of 88
+    ([], 0, toks(10), 0),
+])
+def test_exact_reuse_keeps_only_rows_computed_by_the_same_kernels(cached, old_prompt, new, expect):
+    assert exact_reuse(cached, old_prompt, new, 512) == expect
+
+
+def test_a_slot_keeps_its_prefix_for_the_next_sequence_and_stays_exact(engines):
+    """A finished sequence's cells stay in its slot: a later prompt with the same beginning
+    prefills only the rest, and its strict greedy tokens still equal a fresh lone run's."""
+    eng = engines["model"]
+    system = "system: be brief. user: "
+    prompts = [system + q for q in ("name a colour", "count to three", "say hello", "name a fruit")]
+    want = [plain(eng, p, 20) for p in prompts]
+    sch = Scheduler(eng, 2)
+    try:
+        first = sch.generate_many(prompts[:2], max_tokens=20, temperature=0, verify="strict", ignore_eos=True)
+        later = [sch.submit(p, max_tokens=20, temperature=0, verify="strict", ignore_eos=True) for p in prompts[2:]]
+        got = [g.tokens for g in first] + [s.result().tokens for s in later]
+        shared = len(eng.tokenize(system)) - 1
+        assert all(s.stats.n_prompt_evaluated < s.stats.n_prompt - shared for s in later), \
+            [(s.stats.n_prompt, s.stats.n_prompt_evaluated) for s in later]
+    finally:
+        sch.close()
+    assert got == want
 
 
 # ------------------------------------------------------- per-sequence streams
@@ -207,3 +247,22 @@ def test_sampling_in_a_batch_has_the_lone_distribution(engines, verify):
     for pos in (0, 1):
         p = _two_sample_p([x[pos] for x in lone], [x[pos] for x in batched])
         assert p > 1e-3, (pos, p)
+
+
+@pytest.mark.slow
+def test_reused_prefixes_long_and_short_stay_exact_on_smollm2(smollm2, smollm2_q4km):
+    """Real K-quant weights (rows of chunks over 64 differ from invariant ones): prompts sharing a
+    long beginning (chunks of over 64 rows) and a short one, two slots reused in turn; every
+    sequence's strict greedy tokens equal a fresh lone run's, and short prefixes were reused."""
+    long_sys = "You are a meticulous assistant. " * 12
+    prompts = [s + q for q in ("Name a colour.", "Count to three.", "Say hello.") for s in (long_sys, "Be brief. ")]
+    with Engine(smollm2_q4km, smollm2, drafter="model", n_ctx=512, n_threads=2, learned=False) as eng:
+        want = [plain(eng, p, 16) for p in prompts]
+        sch = Scheduler(eng, 2)
+        try:
+            streams = [sch.submit(p, max_tokens=16, temperature=0, verify="strict", ignore_eos=True) for p in prompts]
+            got = [s.result().tokens for s in streams]
+        finally:
+            sch.close()
+    assert got == want
+    assert any(s.stats.n_prompt_evaluated < s.stats.n_prompt - 3 for s in streams[2:])
