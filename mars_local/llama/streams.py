@@ -204,6 +204,23 @@ class MultiContext(OwnsContext):
 
 
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Make sequence ``dst`` hold the first ``n`` cells of ``src`` (their keys and values,
+        bit for bit).  Per-sequence streams copy the whole stream buffer (llama.cpp copies
+        streams whole, at the start of the next decode), then drop what lies past ``n``; a
+        unified cache shares the cells (no data moves)."""
+        a, b = self.seqs[src], self.seqs[dst]
+        if not 0 < n <= a.n_past or src == dst:
+            raise ValueError(f"cannot copy {n} cells of sequence {src} into {dst}")
+        C.llama_memory_seq_rm(self.mem, dst, 0, -1)
+        if self.unified:
+            C.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+        else:
+            C.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
+            C.llama_memory_seq_rm(self.mem, dst, n, -1)
+        b.tokens = a.tokens[:n]
+
+
 class SeqView:
     """One sequence of a :class:`MultiContext`, with the Context interface."""
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..core.defaults import SETTINGS
 from .adaptive import AdaptiveK, expected_tokens
 
@@ -68,11 +70,19 @@ class BatchCost:
         return t / n if n > 0.5 else prior
 
     def costs(self, prior: AdaptiveK | None = None) -> list[float]:
+        """Seconds of a forward of R = 1..max_rows rows.  With ``prior`` (a controller that timed
+        lone windows on this machine) its curve gives the shape, scaled to the batched forwards
+        timed (their ratio to it, interpolated between the sizes timed); else a line through them."""
         seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05}
         lone = prior.target_costs(self.max_rows) if prior is not None else None
+        if lone is not None:
+            if not seen:
+                return list(lone)
+            xs = sorted(seen)
+            ratios = [seen[x] / max(lone[x - 1], 1e-12) for x in xs]
+            return [seen[r] if r in seen else lone[r - 1] * float(np.interp(r, xs, ratios))
+                    for r in range(1, self.max_rows + 1)]
         if len(seen) < 2:
-            if lone is not None:  # a lone window of R rows costs about what R rows of a batch cost
-                return [seen.get(r, lone[r - 1]) for r in range(1, self.max_rows + 1)]
             t1 = seen.get(1) or next(iter(seen.values()), 1.0)
             return [t1 * (1.0 + 0.3 * (r - 1)) for r in range(1, self.max_rows + 1)]
         xs = sorted(seen)

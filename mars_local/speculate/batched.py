@@ -160,6 +160,13 @@ class Scheduler:
         # per slot: how many of its cached tokens were a prompt prefilled as a lone run does (the
         # rest came from windows): a new prompt keeps what llama.streams.exact_reuse allows
         self._prompt_len = [0] * n_parallel
+        # copying another slot's prefix moves a whole KV stream: worth it when prefilling the rows
+        # it saves would take longer (prefill seconds per token as measured; memory at ~4 GB/s)
+        from ..llama.context import kv_cache_bytes
+
+        bandwidth = 1e11 if engine.target.offloaded else 4e9
+        self._copy_s = kv_cache_bytes(engine.target, self.mc.n_ctx) / bandwidth
+        self._prefill_rate = [0.0, 0.0]  # decayed prefill seconds, tokens
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -259,11 +266,15 @@ class Scheduler:
         nb = budget = self.mc.n_batch
         for s in list(self._live.values()):
             while s.pending and not s.done and budget > 0:
+                self._share_prefix(s)
                 pos = s.view.n_past
                 cut = min((pos // nb + 1) * nb - pos, len(s.pending))  # a lone run's chunk ends there
                 chunk, s.pending = s.pending[:cut], s.pending[cut:]
                 budget -= len(chunk)
+                t0 = time.perf_counter()
                 self._guard(s, lambda: s.view.eval(chunk, n_out=0))
+                r = self._prefill_rate
+                r[0], r[1] = 0.9 * r[0] + time.perf_counter() - t0, 0.9 * r[1] + len(chunk)
                 s.run.stats.n_prompt_evaluated += len(chunk)
             if not s.pending and not s.done and not s.ready:
                 s.run.stats.time_prompt_target_s = time.perf_counter() - s.t_start
@@ -274,6 +285,29 @@ class Scheduler:
                 s.ready = True
             if budget <= 0:
                 return
+
+    def _share_prefix(self, s: _Seq) -> None:
+        """Before prefilling, take the longest exact prefix another slot holds (a shared system
+        prompt: the sequence prefilled before it in this round, or one that has left) when
+        copying it costs less than prefilling the rows it saves."""
+        prompt, have = s.run.tokens[:-1], s.view.n_past
+        best, n = None, have
+        for slot, view in enumerate(self.mc.seqs):
+            if view is s.view or not view.tokens:
+                continue
+            m = exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch)
+            if m > n:
+                best, n = slot, m
+        rate = self._prefill_rate[0] / self._prefill_rate[1] if self._prefill_rate[1] > 0 else 0.0
+        if best is None or n - have < 8 or (n - have) * rate <= self._copy_s:
+            return
+        self.mc.copy_prefix(best, s.view.seq_id, n)
+        s.pending = list(prompt[n:])
+        if s.dview is not None:
+            src = self.dmc.seq(best)
+            m = common_prefix_len(src.tokens, prompt)
+            if m > s.dview.n_past:
+                self.dmc.copy_prefix(best, s.dview.seq_id, m)
 
     def _calibrate(self, s: _Seq) -> None:
         """Time forwards of a few row counts once, on top of a live sequence's cells
@@ -304,8 +338,10 @@ class Scheduler:
         costly = [s for s in seqs if not s.run.drafter.cheap and s.run.ctrl is not None]
         if costly:  # plan the round before a draft model drafts: pooled acceptance, draft cost per token
             k_room = min(k_room, self._plan_costly(seqs, caps, k_room))
-        t0 = clock()
         caps = [cap for _, cap in caps if cap is not None]
+        if k_room > 0:
+            self._draft_prompts(seqs)
+        t0 = clock()
         drafts = self._draft_all(seqs, [min(c, k_room) for c in caps])
         t_draft = clock() - t0
         self.cost.observe_draft(sum(len(d) for d in drafts), t_draft)
@@ -344,6 +380,17 @@ class Scheduler:
                 best_k, best = k, rate
         return best_k
 
+    def _draft_prompts(self, seqs: list[_Seq]) -> None:
+        """A draft model's cache that lags by more than a round (its sequence's prompt: the
+        draft prefills lazily, when drafting is first planned) is brought up to date alone,
+        chunked, before the round's draft is timed: drafting's cost per token excludes it."""
+        for s in seqs:
+            dv, toks = s.dview, s.run.tokens
+            if dv is not None and not s.run.drafter.cheap and len(toks) - 1 - dv.n_past > MAX_INVARIANT_ROWS:
+                t0 = time.perf_counter()
+                self._guard(s, lambda: dv.eval(toks[dv.n_past:-1], n_out=0))
+                s.run.stats.time_prompt_s += time.perf_counter() - t0
+
     def _draft_all(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
         """Every sequence's draft: cheap drafters propose on their own; draft models draft in
         lockstep, one draft decode per step carrying one row of every sequence still drafting."""
@@ -367,13 +414,7 @@ class Scheduler:
         live = [st for st, cap in zip(steps, caps) if cap > 0 and st.s.run.cfg.draft_max > 0 and not st.s.done]
         for st, cap in zip(steps, caps):
             st.k = cap
-        # catch up: the tokens the draft cache lacks, the last one included (any lengths: unified cache);
-        # a whole prompt (the draft's first round) alone first, chunked
-        for st in live:
-            toks, dv = st.s.run.tokens, st.s.dview
-            if len(toks) - dv.n_past > self.dmc.n_batch:
-                self._guard(st.s, lambda: dv.eval(toks[dv.n_past:-1], n_out=0))
-        live = [st for st in live if not st.s.done]
+        # catch up: the tokens the draft cache lacks, the last one included (any lengths: unified cache)
         windows = [(st.s.dview.seq_id, st.s.run.tokens[st.s.dview.n_past:]) for st in live]
         rows = self.dmc.decode_windows(windows, max_rows=self.dmc.n_batch, last_only=True) if live else []
         while live:

@@ -58,6 +58,25 @@ def test_batch_cost_interpolates_between_timed_row_counts():
     assert got[1] == pytest.approx(0.2) and got[5] == pytest.approx(0.6) and got[3] == pytest.approx(0.4)
 
 
+class LonePrior:
+    """A controller's lone window costs (AdaptiveK.target_costs): a concave CPU-like curve."""
+
+    def target_costs(self, w_max):
+        return [0.05 * r ** 0.6 for r in range(1, w_max + 1)]
+
+
+def test_batch_cost_takes_the_lone_curves_shape_scaled_to_the_forwards_timed():
+    c = BatchCost(max_rows=64)
+    lone = LonePrior().target_costs(64)
+    assert c.costs(LonePrior()) == lone  # nothing timed yet: the lone curve
+    for rows, t in ((8, 0.0), (8, 2 * lone[7]), (32, 0.0), (32, 3 * lone[31])):
+        c.observe(rows, t)
+    got = c.costs(LonePrior())
+    assert got[7] == pytest.approx(2 * lone[7]) and got[31] == pytest.approx(3 * lone[31])
+    assert got[3] == pytest.approx(2 * lone[3]) and got[63] == pytest.approx(3 * lone[63])  # ratio held outside
+    assert got[15] == pytest.approx(lone[15] * (2 + (16 - 8) / (32 - 8)))  # and interpolated between
+
+
 # ------------------------------------------- exact reuse of the cells a slot keeps (pure)
 def toks(n, start=0):
     return list(range(start, start + n))
@@ -79,20 +98,24 @@ def test_exact_reuse_keeps_only_rows_computed_by_the_same_kernels(cached, old_pr
 
 
 def test_a_slot_keeps_its_prefix_for_the_next_sequence_and_stays_exact(engines):
-    """A finished sequence's cells stay in its slot: a later prompt with the same beginning
-    prefills only the rest, and its strict greedy tokens still equal a fresh lone run's."""
+    """A finished sequence's cells stay in its slot, and a sequence joining with one that shares
+    its beginning copies that prefix: each prefills only the rest, and its strict greedy tokens
+    still equal a fresh lone run's."""
     eng = engines["model"]
     system = "system: be brief. user: "
     prompts = [system + q for q in ("name a colour", "count to three", "say hello", "name a fruit")]
     want = [plain(eng, p, 20) for p in prompts]
     sch = Scheduler(eng, 2)
     try:
-        first = sch.generate_many(prompts[:2], max_tokens=20, temperature=0, verify="strict", ignore_eos=True)
+        first = [sch.submit(p, max_tokens=20, temperature=0, verify="strict", ignore_eos=True) for p in prompts[:2]]
+        got = [s.result().tokens for s in first]
         later = [sch.submit(p, max_tokens=20, temperature=0, verify="strict", ignore_eos=True) for p in prompts[2:]]
-        got = [g.tokens for g in first] + [s.result().tokens for s in later]
+        got += [s.result().tokens for s in later]
         shared = len(eng.tokenize(system)) - 1
-        assert all(s.stats.n_prompt_evaluated < s.stats.n_prompt - shared for s in later), \
-            [(s.stats.n_prompt, s.stats.n_prompt_evaluated) for s in later]
+        # the second of two joining together copies the first's prefix (llama_memory_seq_cp); later
+        # ones keep what their slot holds
+        assert all(s.stats.n_prompt_evaluated < s.stats.n_prompt - shared for s in first[1:] + later), \
+            [(s.stats.n_prompt, s.stats.n_prompt_evaluated) for s in first + later]
     finally:
         sch.close()
     assert got == want
