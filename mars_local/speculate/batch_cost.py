@@ -11,7 +11,7 @@ import numpy as np
 from ..core.defaults import SETTINGS
 from .adaptive import AdaptiveK, expected_tokens
 
-__all__ = ["choose_window", "BatchCost", "auto_parallel", "MAX_ROWS"]
+__all__ = ["choose_window", "BatchCost", "DraftOrNot", "auto_parallel", "MAX_ROWS"]
 
 MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (llama.streams.MAX_INVARIANT_ROWS)
 
@@ -100,6 +100,49 @@ class BatchCost:
             slope = max(0.0, (seen[hi] - seen[lo]) / (hi - lo))
             out.append(max(seen[lo] + slope * (r - lo), 1e-9))
         return out
+
+
+class DraftOrNot:
+    """Whether a round drafts, from what rounds really delivered (pure).
+
+    The plan's cost model (forward costs, a draft model's cost per token) can be wrong in
+    ways it cannot see: a draft model that skipped rounds must catch up with every token it
+    missed, and its batched decodes cost what they cost.  So the tokens per second of whole
+    rounds (drafting included) are kept for drafting rounds and plain ones (decayed means);
+    once both are known the better one is used, the other tried once every ``explore``
+    rounds so that a change of load is seen.  Until then the plan decides, and a mode never
+    tried is tried after ``explore`` rounds.
+    """
+
+    def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03):
+        self.decay, self.explore, self.margin = decay, explore, margin
+        self._rate = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # tokens, seconds, rounds
+        self._since = {True: 0, False: 0}
+
+    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
+        r = self._rate[drafted]
+        r[0], r[1], r[2] = r[0] * self.decay + tokens, r[1] * self.decay + seconds, r[2] + 1
+
+    def rate(self, drafted: bool) -> float | None:
+        t, sec, n = self._rate[drafted]
+        return t / sec if n >= 2 and sec > 0 else None
+
+    def choose(self, planned: bool) -> bool:
+        """Draft this round?  ``planned``: what the cost model says."""
+        rd, rp = self.rate(True), self.rate(False)
+        if rd is None or rp is None:
+            pick = planned
+        elif rd > rp * self.margin:
+            pick = True
+        elif rp > rd * self.margin:
+            pick = False
+        else:
+            pick = planned
+        if self._since[not pick] >= self.explore:
+            pick = not pick
+        self._since[pick] = 0
+        self._since[not pick] += 1
+        return pick
 
 
 def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:

@@ -49,7 +49,7 @@ from ..core.stats import SpecStats
 from ..core.tokens import common_prefix_len
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView, exact_reuse
 from .adaptive import expected_tokens
-from .batch_cost import BatchCost, choose_window
+from .batch_cost import BatchCost, DraftOrNot, choose_window
 from .lockstep import DraftSteps
 from .controls import Controls, StopScanner
 from .drafters import EMPTY_DRAFT, Draft
@@ -156,6 +156,7 @@ class Scheduler:
         if engine.drafter_kind == "model":
             self.dmc = MultiContext(engine.draft_model, n_parallel, n_seq_ctx, unified=True, **opts)
         self.cost = BatchCost()
+        self.mode = DraftOrNot()  # a draft model's rounds: draft or not, from the rates delivered
         self._free = list(range(n_parallel))
         # per slot: how many of its cached tokens were a prompt prefilled as a lone run does (the
         # rest came from windows): a new prompt keeps what llama.streams.exact_reuse allows
@@ -336,11 +337,15 @@ class Scheduler:
             self.calibrated = True
         k_room = max(0, MAX_INVARIANT_ROWS // len(seqs) - 1)
         costly = [s for s in seqs if not s.run.drafter.cheap and s.run.ctrl is not None]
-        if costly:  # plan the round before a draft model drafts: pooled acceptance, draft cost per token
-            k_room = min(k_room, self._plan_costly(seqs, caps, k_room))
+        drafting = None
+        if costly and k_room > 0:  # plan before a draft model drafts: pooled acceptance, draft cost per token
+            k_plan, k_draft = self._plan_costly(seqs, caps, k_room)
+            drafting = self.mode.choose(k_plan > 0)
+            k_room = min(k_room, k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
         if k_room > 0:
             self._draft_prompts(seqs)
+        before = sum(s.run.generated for s in seqs)
         t0 = clock()
         drafts = self._draft_all(seqs, [min(c, k_room) for c in caps])
         t_draft = clock() - t0
@@ -359,16 +364,19 @@ class Scheduler:
         for s, d, z in zip(seqs, drafts, rows):
             d = _cut(d, k)
             self._guard(s, lambda: self._finish_round(s, d, z, t_target / len(seqs), t_draft / len(seqs)))
+        if drafting is not None:
+            self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before, clock() - t0)
 
-    def _plan_costly(self, seqs: list[_Seq], caps, k_room: int) -> int:
-        """The round's k before a draft model drafts: every sequence at its pooled acceptance."""
+    def _plan_costly(self, seqs: list[_Seq], caps, k_room: int) -> tuple[int, int]:
+        """The round's k before a draft model drafts, every sequence at its pooled acceptance:
+        the best k, and the best k >= 1 (what a drafting round uses)."""
         accepts = [[s.run.ctrl.acceptance(None)] * k_room if s.run.ctrl is not None else [1.0] * k_room
                    for s in seqs]
         prior = next(s.run.ctrl for s in seqs if s.run.ctrl is not None)
         costs = self.cost.costs(prior)
         per_token = self.cost.draft_cost(prior.draft_cost)  # per draft token (draft decodes are per sequence)
         costs = list(costs)
-        best_k, best = 0, -1.0
+        best_k, best, best_draft = 0, -1.0, (1, -1.0)
         n = len(seqs)
         for k in range(0, k_room + 1):
             rows = n * (k + 1)
@@ -378,18 +386,23 @@ class Scheduler:
             rate = tokens / (costs[rows - 1] + per_token * n * k)
             if rate > best * 1.0001:
                 best_k, best = k, rate
-        return best_k
+            if k and rate > best_draft[1] * 1.0001:
+                best_draft = (k, rate)
+        return best_k, best_draft[0]
 
     def _draft_prompts(self, seqs: list[_Seq]) -> None:
-        """A draft model's cache that lags by more than a round (its sequence's prompt: the
-        draft prefills lazily, when drafting is first planned) is brought up to date alone,
-        chunked, before the round's draft is timed: drafting's cost per token excludes it."""
+        """A draft model's cache that lags by more than a drafting round leaves (its prompt: the
+        draft prefills lazily, when drafting is first planned; or the tokens of rounds that did
+        not draft) is brought up to date before the round's draft is timed: drafting's cost per
+        token and its rounds' rate are those of drafting every round (the catch-up is the price
+        of switching, paid once)."""
         for s in seqs:
             dv, toks = s.dview, s.run.tokens
-            if dv is not None and not s.run.drafter.cheap and len(toks) - 1 - dv.n_past > MAX_INVARIANT_ROWS:
+            if dv is not None and not s.run.drafter.cheap and len(toks) - 1 - dv.n_past > 2:
                 t0 = time.perf_counter()
                 self._guard(s, lambda: dv.eval(toks[dv.n_past:-1], n_out=0))
-                s.run.stats.time_prompt_s += time.perf_counter() - t0
+                if not s.run.generated:
+                    s.run.stats.time_prompt_s += time.perf_counter() - t0
 
     def _draft_all(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
         """Every sequence's draft: cheap drafters propose on their own; draft models draft in

@@ -58,6 +58,21 @@ def test_batch_cost_interpolates_between_timed_row_counts():
     assert got[1] == pytest.approx(0.2) and got[5] == pytest.approx(0.6) and got[3] == pytest.approx(0.4)
 
 
+def test_draft_or_not_follows_the_rates_rounds_delivered_and_keeps_trying_the_other():
+    from mars_local.speculate.batch_cost import DraftOrNot
+
+    m = DraftOrNot(explore=4)
+    assert m.choose(False) is False and m.choose(True) is True  # nothing measured: the plan
+    for _ in range(3):
+        m.observe(True, 60, 1.0)   # drafting rounds: 60 tok/s
+        m.observe(False, 45, 1.0)  # plain rounds: 45 tok/s
+    picks = [m.choose(False) for _ in range(10)]  # the plan says plain; the rates say draft
+    assert picks.count(True) >= 7 and False in picks  # mostly drafting, plain tried now and then
+    for _ in range(20):
+        m.observe(False, 90, 1.0)  # the load changed: plain rounds now deliver more
+    assert [m.choose(True) for _ in range(5)].count(False) >= 3
+
+
 class LonePrior:
     """A controller's lone window costs (AdaptiveK.target_costs): a concave CPU-like curve."""
 
