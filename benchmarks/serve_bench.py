@@ -26,8 +26,8 @@ Configurations:
 
   mars spec           one `mars serve -m T -md D` process, requests with
                       "speculative": {"enabled": true}
-  mars plain          the same process, requests with "speculative": {"enabled": false}
-                      (the per-request switch: no restart)
+  mars plain          the same command, requests with "speculative": {"enabled": false}
+                      (the per-request switch), in a process of its own
   llama-server plain  `llama-server -m T -np N`
   llama-server spec   `llama-server -m T -md D -np N` (draft-simple, --spec-draft-n-max K)
 
@@ -484,21 +484,22 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> 
     def log(msg: str) -> None:
         print(f"serve_bench: {msg}", file=sys.stderr, flush=True)
 
-    # mars: both configs in one process; --parallel match: one process per N with --parallel N
+    # mars: --parallel match: one fresh process per (config, N) with --parallel N, as llama-server
+    # gets (a process that ran the other config would hold these prompts in its prefix caches);
+    # --parallel P: one process per config for every N
     groups = ([(n, [n]) for n in a.clients_list] if a.parallel == "match"
               else [(int(a.parallel), a.clients_list)])
     for parallel, ns in groups:
-        srv = Server(f"mars serve (--parallel {parallel})", mars_command(a, max(ns), parallel))
-        servers.append(srv)
-        commands[f"mars serve, --parallel {parallel}"] = shlex.join(srv.cmd)
-        srv.wait_ready_line(a.startup_timeout)
         for config in ("mars spec", "mars plain"):
+            srv = Server(f"mars serve (--parallel {parallel})", mars_command(a, max(ns), parallel))
+            servers.append(srv)
+            commands[f"mars serve, --parallel {parallel}"] = shlex.join(srv.cmd)
+            srv.wait_ready_line(a.startup_timeout)
             warm_up(a, config, srv.url, prompts)
-        for n in ns:
-            for config in ("mars spec", "mars plain"):
+            for n in ns:
                 log(f"{config}, {n} client(s), --parallel {parallel}")
                 rows.append(run_config(a, config, srv.url, n, prompts, stop))
-        srv.stop()
+            srv.stop()
 
     # llama-server: -np N, so one process per (config, N)
     if llama is not None:

@@ -109,15 +109,17 @@ class DraftOrNot:
     ways it cannot see: a draft model that skipped rounds must catch up with every token it
     missed, and its batched decodes cost what they cost.  So the tokens per second of whole
     rounds (drafting included) are kept for drafting rounds and plain ones (decayed means);
-    once both are known the better one is used, the other tried once every ``explore``
-    rounds so that a change of load is seen.  Until then the plan decides, and a mode never
-    tried is tried after ``explore`` rounds.
+    once both are known the better one is used, the other tried after ``explore`` rounds so
+    that a change of load is seen, and after twice as many each time it loses again (up to
+    512: a trial costs a switch, e.g. a draft model catching up with every sequence).  Until
+    then the plan decides, and a mode never tried is tried after ``explore`` rounds.
     """
 
     def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03):
         self.decay, self.explore, self.margin = decay, explore, margin
         self._rate = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # tokens, seconds, rounds
         self._since = {True: 0, False: 0}
+        self._gap, self._best = explore, None
 
     def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
         r = self._rate[drafted]
@@ -138,8 +140,11 @@ class DraftOrNot:
             pick = False
         else:
             pick = planned
-        if self._since[not pick] >= self.explore:
+        if pick != self._best:  # a new regime: try the other again soon
+            self._best, self._gap = pick, self.explore
+        if self._since[not pick] >= self._gap:
             pick = not pick
+            self._gap = min(2 * self._gap, 512)
         self._since[pick] = 0
         self._since[not pick] += 1
         return pick
