@@ -45,10 +45,12 @@ import numpy as np
 from ..core.config import Chunk, GenerateConfig, Generation
 from .run import Run as _Run
 from ..core.errors import MarsError
+from ..core.verify import verify
 from ..core.stats import SpecStats
 from ..core.tokens import common_prefix_len
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView, exact_reuse
 from .adaptive import expected_tokens
+from . import native
 from .batch_cost import BatchCost, DraftOrNot, choose_window
 from .lockstep import DraftSteps
 from .controls import Controls, StopScanner
@@ -156,6 +158,8 @@ class Scheduler:
         if engine.drafter_kind == "model":
             self.dmc = MultiContext(engine.draft_model, n_parallel, n_seq_ctx, unified=True, **opts)
         self.cost = BatchCost()
+        # the patched libllama's verify kernel when there is one (same results as numpy), chosen once
+        self._verify_window = native.verify if native.available() else verify
         self.mode = DraftOrNot()  # a draft model's rounds: draft or not, from the rates delivered
         self._free = list(range(n_parallel))
         # per slot: how many of its cached tokens were a prompt prefilled as a lone run does (the
@@ -252,14 +256,21 @@ class Scheduler:
 
     def _best_slot(self, prompt: list[int]) -> tuple[int, int]:
         """The free slot whose cells give the longest exact prefix of ``prompt``, and that length."""
-        best = min(self._free)
-        kept = 0
-        for slot in sorted(self._free):
+        slot, kept = self._longest_prefix(prompt, sorted(self._free), 0)
+        return (min(self._free), 0) if slot is None else (slot, kept)
+
+    def _longest_prefix(self, prompt: list[int], slots, floor: int) -> tuple[int | None, int]:
+        """Of ``slots``, the first whose cells give the longest exact prefix of ``prompt`` longer
+        than ``floor`` (llama.streams.exact_reuse), and its length; (None, floor) when none does."""
+        best, n = None, floor
+        for slot in slots:
             view = self.mc.seq(slot)
-            n = exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch) if view.tokens else 0
-            if n > kept:
-                best, kept = slot, n
-        return best, kept
+            if not view.tokens:
+                continue
+            m = exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch)
+            if m > n:
+                best, n = slot, m
+        return best, n
 
     def _prefill(self) -> None:
         """Joining sequences' prompts, about n_batch rows per round in all, each chunk in a decode
@@ -292,13 +303,7 @@ class Scheduler:
         prompt: the sequence prefilled before it in this round, or one that has left) when
         copying it costs less than prefilling the rows it saves."""
         prompt, have = s.run.tokens[:-1], s.view.n_past
-        best, n = None, have
-        for slot, view in enumerate(self.mc.seqs):
-            if view is s.view or not view.tokens:
-                continue
-            m = exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch)
-            if m > n:
-                best, n = slot, m
+        best, n = self._longest_prefix(prompt, (i for i in range(self.n_parallel) if i != s.view.seq_id), have)
         rate = self._prefill_rate[0] / self._prefill_rate[1] if self._prefill_rate[1] > 0 else 0.0
         if best is None or n - have < 8 or (n - have) * rate <= self._copy_s:
             return
@@ -471,11 +476,7 @@ class Scheduler:
         if run.controls.active:
             run.controls.process_window(run.tokens, logits, d.tokens)
         run.logits = logits
-        from .native import available, verify as native_verify
-        from ..core.verify import verify
-
-        verify_window = native_verify if available() else verify
-        res = eng._verify(run, verify_window, logits, d)
+        res = eng._verify(run, self._verify_window, logits, d)
         s.view.truncate(base + 1 + res.n_accepted)
         run.tokens.extend(res.tokens)
         run.drafter.observe(run.tokens, res.n_accepted)
