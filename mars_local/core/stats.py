@@ -9,11 +9,17 @@ from dataclasses import dataclass, field
 class SpecStats:
     """Counters and timings of a generation.
 
-    n_generated          tokens produced (accepted drafts + target tokens).
+    n_generated          tokens produced (accepted drafts + target tokens); the
+                         first comes from the prompt's own forward, in no round,
+                         when the prompt's last token rides in its last chunk
+                         (llama.context.last_rides).
     n_prompt             prompt tokens; n_prompt_evaluated of them were run
                          through the target (the rest came from its KV cache).
     n_rounds             target forwards in the decode loop (one per verify
-                         window; plain decoding is one per token).
+                         window; plain decoding is one per token, but for the
+                         first when first_from_prompt).
+    first_from_prompt    the first token was sampled from the prompt's own
+                         forward (no round, no wait for a draft): see n_generated.
     n_drafted            draft tokens proposed and verified.
     n_accepted           draft tokens accepted, relaxed ones included.
     n_relaxed            draft tokens accepted only because of MARS.
@@ -67,6 +73,7 @@ class SpecStats:
     stop_reason: str = ""
     verify_backend: str = "numpy"
     adaptive: bool = False
+    first_from_prompt: bool = False
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,6 +106,11 @@ class SpecStats:
     def tokens_per_second(self) -> float:
         t = self.time_decode_s
         return self.n_generated / t if t > 0 else 0.0
+
+    def record_first(self, n_new: int) -> None:
+        """The token sampled from the prompt's last row: produced, but by no round."""
+        self.n_generated += n_new
+        self.first_from_prompt = True
 
     def record_round(self, k: int, n_accepted: int, n_relaxed: int, n_new: int) -> None:
         self.n_rounds += 1
@@ -145,4 +157,5 @@ class SpecStats:
             "stop_reason": self.stop_reason,
             "verify_backend": self.verify_backend,
             "adaptive": self.adaptive,
+            "first_from_prompt": self.first_from_prompt,
         }

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.defaults import DEFAULTS, check
+from ..core.defaults import DEFAULTS, SETTINGS, check
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
@@ -18,12 +18,30 @@ from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
 from .runtime import Model, default_threads
 
-__all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "available_memory", "KV_TYPES"]
+__all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "available_memory", "KV_TYPES",
+           "MAX_INVARIANT_ROWS", "last_rides"]
 
 
 # ----------------------------------------------------------------- context
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
+
+
+# rows one decode may carry with every row computed as in a 1-row decode (patches/0002, 0003): a
+# verify window's bound, and the bound under which a prompt's last token rides in its last chunk
+MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
+
+
+def last_rides(n_rest: int, n_batch: int, inv: int = MAX_INVARIANT_ROWS) -> bool:
+    """Whether a prompt's last token may be evaluated in the decode of the prompt's last chunk
+    (pure): ``n_rest`` tokens are evaluated in chunks of ``n_batch``, and the last chunk plus
+    that token stay within ``inv`` rows, so every row is computed as a lone row would be and
+    the chunk's other rows exactly as without it.  Then the first token is known at the end
+    of prefill, for the price of one prefill row (no forward of its own)."""
+    if n_rest <= 0:
+        return False
+    final = n_rest - n_batch * ((n_rest - 1) // n_batch)
+    return final + 1 <= inv
 
 
 def available_memory() -> int | None:
@@ -251,6 +269,30 @@ class Context(OwnsContext):
 
         Returns the number of tokens that had to be evaluated.
         """
+        rest = self._keep_common(tokens)
+        if rest:
+            self.eval(rest, n_out=0)
+        return len(rest)
+
+    def prefill(self, tokens) -> tuple[int, np.ndarray | None]:
+        """Make the cache hold ``tokens[:-1]`` (as :meth:`sync`) and, where the last token rides
+        in the last chunk for free (:func:`last_rides`), the last token too.
+
+        Returns the number of tokens evaluated and, when the last one rode, a copy of its
+        logits row (the next token's distribution: the first token, known at the end of
+        prefill); else None, and the cache holds ``tokens[:-1]``.
+        """
+        prompt, last = tokens[:-1], tokens[-1]
+        rest = self._keep_common(prompt)
+        if last_rides(len(rest), self.n_batch) and len(tokens) <= self.n_ctx:
+            row = self.eval(rest + [last], n_out=1)[0].copy()
+            return len(rest), row
+        if rest:
+            self.eval(rest, n_out=0)
+        return len(rest), None
+
+    def _keep_common(self, tokens) -> list[int]:
+        """Drop cached positions past the common prefix with ``tokens``; the tokens left to evaluate."""
         if not self._ctx:
             raise MarsError("this context was closed")
         # An interrupted decode (Ctrl-C between llama_decode and the mirror
@@ -261,7 +303,4 @@ class Context(OwnsContext):
             del self.tokens[pos_max + 1 :]
         keep = common_prefix_len(self.tokens, tokens)
         self.truncate(keep)
-        rest = list(tokens[keep:])
-        if rest:
-            self.eval(rest, n_out=0)
-        return len(rest)
+        return list(tokens[keep:])

@@ -43,17 +43,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
-from .context import OwnsContext, context_params, create_context
+from .context import MAX_INVARIANT_ROWS, OwnsContext, context_params, create_context
 from .runtime import Model
 
 __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView", "exact_reuse"]
 
-# rows one decode may carry with every row computed as alone (patches/0002, 0003): a verify window's bound
-MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
 
 
 def exact_reuse(cached: Sequence[int], old_prompt: int, new: Sequence[int], n_batch: int,

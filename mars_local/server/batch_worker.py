@@ -53,7 +53,7 @@ class BatchWorker(Worker):
             stopping = self._admit() or stopping
             if self.active:
                 try:
-                    self.sched.step()
+                    self.sched.step(after_prefill=self._deliver)  # first tokens before the round
                 except BaseException as exc:  # never let the loop die: fail what runs
                     print(f"mars serve: a round failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                     for job in list(self.active):

@@ -48,6 +48,7 @@ from ..core.errors import MarsError
 from ..core.verify import verify
 from ..core.stats import SpecStats
 from ..core.tokens import common_prefix_len
+from ..llama.context import last_rides
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView, exact_reuse
 from .adaptive import expected_tokens
 from . import native
@@ -218,12 +219,17 @@ class Scheduler:
         return len(self._waiting)
 
     # ------------------------------------------------------------ one round
-    def step(self) -> bool:
-        """One round for every live sequence; False when there was nothing to do."""
+    def step(self, after_prefill=None) -> bool:
+        """One round for every live sequence; False when there was nothing to do.
+        ``after_prefill()``, when given, is called between the joining sequences' prefill
+        (whose first tokens may already be known) and the round: a server hands those
+        first tokens to their clients there, not a round later."""
         self._admit()
         if not self._live:
             return False
         self._prefill()
+        if after_prefill is not None:
+            after_prefill()
         decoding = [s for s in self._live.values() if s.ready and not s.done]
         if decoding:
             self._round(decoding)
@@ -277,14 +283,20 @@ class Scheduler:
         of its own and cut where a lone run cuts it (every n_batch tokens from the start)."""
         nb = budget = self.mc.n_batch
         for s in list(self._live.values()):
+            rides, first = False, None
             while s.pending and not s.done and budget > 0:
                 self._share_prefix(s)
                 pos = s.view.n_past
                 cut = min((pos // nb + 1) * nb - pos, len(s.pending))  # a lone run's chunk ends there
                 chunk, s.pending = s.pending[:cut], s.pending[cut:]
                 budget -= len(chunk)
+                # the last chunk: the prompt's last token rides in it when that is exact
+                # (llama.context.last_rides), and the first token is known at once
+                rides = not s.pending and last_rides(len(chunk), nb) and s.view.n_past + len(chunk) < s.view.n_ctx
                 t0 = time.perf_counter()
-                self._guard(s, lambda: s.view.eval(chunk, n_out=0))
+                first = self._guard(s, lambda: s.view.eval(chunk + [s.run.tokens[-1]] if rides else chunk,
+                                                           n_out=1 if rides else 0))
+                first = None if first is None else first.copy()
                 r = self._prefill_rate
                 r[0], r[1] = 0.9 * r[0] + time.perf_counter() - t0, 0.9 * r[1] + len(chunk)
                 s.run.stats.n_prompt_evaluated += len(chunk)
@@ -295,6 +307,8 @@ class Scheduler:
                     self._guard(s, lambda: s.run.drafter.begin(s.run.tokens))
                 s.run.stats.time_prompt_s = time.perf_counter() - s.t_start
                 s.ready = True
+                if rides and first is not None:  # a round without a draft on the prompt's last row
+                    self._guard(s, lambda: self._finish_round(s, EMPTY_DRAFT, first, 0.0, 0.0, k=None))
             if budget <= 0:
                 return
 
@@ -469,7 +483,10 @@ class Scheduler:
         prior = next((s.run.ctrl for s in seqs if s.run.ctrl is not None), None)
         return choose_window(accepts, self.cost.costs(prior), min(longest, k_room))
 
-    def _finish_round(self, s: _Seq, d: Draft, z: np.ndarray, t_target: float, t_draft: float) -> None:
+    def _finish_round(self, s: _Seq, d: Draft, z: np.ndarray, t_target: float, t_draft: float,
+                      k: int | None = -1) -> None:
+        """Verify one sequence's rows ``z`` of the round's decode and emit its tokens; ``k`` None:
+        the first token, from the prompt's last row (no round)."""
         run, eng = s.run, self.eng
         logits = z[: len(d) + 1]
         base = s.view.n_past - z.shape[0]  # == len(tokens) - 1
@@ -491,7 +508,7 @@ class Scheduler:
             keys = d.keys if d.keys is not None else [None] * len(d)
             for i in range(min(res.n_accepted + 1, len(d))):
                 run.ctrl.observe_shadow(i < res.n_accepted, keys[i])
-        chunk = s.run.emit(s.view, self.eng.target, len(d), res)
+        chunk = s.run.emit(s.view, self.eng.target, None if k is None else len(d), res)
         if chunk is not None:
             s.chunks.append(chunk)
         if stats.stop_reason in ("eog", "stop", "length", "context"):

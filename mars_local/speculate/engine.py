@@ -28,7 +28,7 @@ from .adaptive import AdaptiveK
 from ..core.choices import DrafterKind
 from .controllers import Controllers, calibrate, learned_keys
 from .controls import Controls, StopScanner
-from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
+from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream
@@ -377,10 +377,22 @@ class Engine:
 
     def _loop(self, run: _Run, t_start: float) -> Iterator[Chunk]:
         clock, stats, tokens = time.perf_counter, run.stats, run.tokens
-        self._begin(run, t_start)
         use_native = native.available()  # the patched libllama's kernel; same results as numpy
         verify_window = native.verify if use_native else verify
         stats.verify_backend = "native" if use_native else "numpy"
+        first = self._prefill(run, t_start)
+        if first is not None:
+            # the prompt's last token rode in its last chunk: the first token is
+            # known now, before the drafter has even seen the prompt (time to first token)
+            chunk = self._first_token(run, verify_window, first)
+            if chunk is not None:
+                yield chunk
+            if stats.stop_reason:
+                tail = run.tail()
+                if tail is not None:
+                    yield tail
+                return
+        self._begin_drafting(run)
         # Invariant at the top of every round: the target cache holds exactly
         # tokens[:-1]; the draft cache (a draft model's) holds a prefix of
         # tokens[:-1] (the drafter evaluates the rest when it next proposes).
@@ -420,14 +432,32 @@ class Engine:
         if tail is not None:
             yield tail
 
-    def _begin(self, run: _Run, t_start: float) -> None:
-        """Bring both caches to the prompt minus its last token (reusing what they
-        share with it) and time a few verify windows if the controller needs it."""
+    def _prefill(self, run: _Run, t_start: float) -> np.ndarray | None:
+        """Bring the target cache to the prompt minus its last token, reusing what it
+        shares with it; the last token too when it rides in the last chunk for free
+        (llama.context.last_rides), and then its logits row is returned."""
+        stats = run.stats
+        stats.n_prompt_evaluated, first = self._ctx.prefill(run.tokens)
+        stats.time_prompt_target_s = stats.time_prompt_s = time.perf_counter() - t_start
+        return first
+
+    def _first_token(self, run: _Run, verify_window, logits: np.ndarray) -> Chunk | None:
+        """The token after the prompt, from the prompt's last row: a round without a draft
+        that costs no forward of its own (the target cache then holds tokens[:-1] again)."""
+        logits = logits[None, :]
+        if run.controls.active:
+            run.controls.process_window(run.tokens, logits, [])
+        run.logits = logits
+        res = self._verify(run, verify_window, logits, EMPTY_DRAFT)
+        run.tokens.extend(res.tokens)
+        return run.emit(self._ctx, self.target, None, res)
+
+    def _begin_drafting(self, run: _Run) -> None:
+        """Bring the drafter to the prompt and time a few verify windows if the controller needs it."""
         stats, tokens = run.stats, run.tokens
-        stats.n_prompt_evaluated = self._ctx.sync(tokens[:-1])
-        stats.time_prompt_target_s = time.perf_counter() - t_start
+        t0 = time.perf_counter()
         run.drafter.begin(tokens)
-        stats.time_prompt_s = time.perf_counter() - t_start
+        stats.time_prompt_s += time.perf_counter() - t0
         if run.ctrl is not None:
             stats.time_calibrate_s = calibrate(run.ctrl, self._ctx, tokens[-1])  # the cache is left unchanged
 

@@ -60,10 +60,11 @@ class Run:
             return None
         return max(0, min(self.cfg.draft_max, k_limit, remaining - 1, room))
 
-    def emit(self, ctx, target, k: int, res) -> Chunk | None:
+    def emit(self, ctx, target, k: int | None, res) -> Chunk | None:
         """The round's chunk (cut before an end-of-generation token), its statistics, and the
         stop reason when this is the last round: it is known before the chunk is yielded (a
-        consumer may stop at it).  ``target``: the Model (end-of-generation ids, token pieces)."""
+        consumer may stop at it).  ``target``: the Model (end-of-generation ids, token pieces);
+        ``k`` None: the first token, from the prompt's own forward (no round)."""
         stats, new = self.stats, res.tokens
         kinds = ["relaxed" if r else "draft" for r in res.relaxed] + ["target"]
         stop = None
@@ -75,7 +76,10 @@ class Run:
         text, n = self.text([target.piece(t) for t in new])
         if self.stops.stopped:
             new, kinds, stop = new[:n], kinds[:n], "stop"
-        stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
+        if k is None:
+            stats.record_first(len(new))
+        else:
+            stats.record_round(k, res.n_accepted, res.n_relaxed, len(new))
         self.generated += len(new)
         if stop:
             stats.stop_reason = stop

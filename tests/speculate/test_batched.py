@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mars_local import Engine
-from mars_local.llama.context import Context
+from mars_local.llama.context import MAX_INVARIANT_ROWS, Context, last_rides
 from mars_local.llama.runtime import Model
 from mars_local.llama.streams import MultiContext, exact_reuse
 from mars_local.speculate.batch_cost import BatchCost, choose_window
@@ -110,6 +110,41 @@ def toks(n, start=0):
 ])
 def test_exact_reuse_keeps_only_rows_computed_by_the_same_kernels(cached, old_prompt, new, expect):
     assert exact_reuse(cached, old_prompt, new, 512) == expect
+
+
+# ---------------------- the prompt's last token rides in its last chunk (pure), the first token at once
+@pytest.mark.parametrize("n_rest, n_batch, expect", [
+    (0, 512, False),    # nothing to evaluate (the whole prompt was cached): no chunk to ride in
+    (1, 512, True),
+    (63, 512, True),    # 63 + 1 rows: still computed as lone rows
+    (64, 512, False),   # 65 rows would take other kernels than the lone run's
+    (100, 512, False),
+    (522, 512, True),   # a whole chunk of 512, then a last chunk of 10
+    (1024, 512, False),  # the last chunk is a whole one of 512
+    (127, 64, True),    # chunks of 64 and 63
+    (128, 64, False),
+])
+def test_the_last_token_rides_only_where_every_row_stays_a_lone_row(n_rest, n_batch, expect):
+    assert MAX_INVARIANT_ROWS == 64
+    assert last_rides(n_rest, n_batch) is expect
+
+
+def test_a_joining_sequence_has_its_first_token_before_the_round(engines):
+    """The first token is sampled from the prompt's own last row, handed out between the prefill
+    and the round (where a server delivers it: time to first token), and the rest stays exact."""
+    eng = engines["model"]
+    want = plain(eng, PROMPTS[4], 12)
+    sch = Scheduler(eng, 2)
+    try:
+        st = sch.submit(PROMPTS[4], max_tokens=12, temperature=0, verify="strict", ignore_eos=True)
+        seen = []
+        sch.step(after_prefill=lambda: seen.append((list(st.take()), st.stats.n_rounds)))
+        assert [(t, n) for chunks, n in seen for c in chunks for t in c.tokens] == [(want[0], 0)]
+        assert st.stats.first_from_prompt
+        got = want[:1] + [t for c in st for t in c.tokens]
+    finally:
+        sch.close()
+    assert got == want
 
 
 def test_a_slot_keeps_its_prefix_for_the_next_sequence_and_stays_exact(engines):
@@ -291,15 +326,19 @@ def test_sampling_in_a_batch_has_the_lone_distribution(engines, verify):
 def test_reused_prefixes_long_and_short_stay_exact_on_smollm2(smollm2, smollm2_q4km):
     """Real K-quant weights (rows of chunks over 64 differ from invariant ones): prompts sharing a
     long beginning (chunks of over 64 rows) and a short one, two slots reused in turn; every
-    sequence's strict greedy tokens equal a fresh lone run's, and short prefixes were reused."""
+    sequence's strict greedy tokens equal a fresh lone run's, and short prefixes were reused.
+    Submitted in pairs, so that each pair finds both slots free and picks its prefixes."""
     long_sys = "You are a meticulous assistant. " * 12
     prompts = [s + q for q in ("Name a colour.", "Count to three.", "Say hello.") for s in (long_sys, "Be brief. ")]
     with Engine(smollm2_q4km, smollm2, drafter="model", n_ctx=512, n_threads=2, learned=False) as eng:
         want = [plain(eng, p, 16) for p in prompts]
         sch = Scheduler(eng, 2)
         try:
-            streams = [sch.submit(p, max_tokens=16, temperature=0, verify="strict", ignore_eos=True) for p in prompts]
-            got = [s.result().tokens for s in streams]
+            streams, got = [], []
+            for pair in (prompts[0:2], prompts[2:4], prompts[4:6]):
+                streams += [sch.submit(p, max_tokens=16, temperature=0, verify="strict", ignore_eos=True)
+                            for p in pair]
+                got += [s.result().tokens for s in streams[-2:]]
         finally:
             sch.close()
     assert got == want

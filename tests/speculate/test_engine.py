@@ -97,7 +97,8 @@ def test_each_verification_rule_learns_its_own_acceptance_on_shared_costs(tiny_t
 def test_plain_decoding_is_one_token_per_round(plain):
     out = plain.generate("hello", max_tokens=20)
     s = out.stats
-    assert s.n_generated == len(out.tokens) == s.n_rounds
+    assert s.first_from_prompt  # "hello": its last token rides in the prompt's one chunk
+    assert s.n_generated == len(out.tokens) == s.n_rounds + 1
     assert s.n_drafted == 0 and s.mean_accepted_length == 1.0
 
 
@@ -177,22 +178,32 @@ def test_strict_sampling_preserves_the_models_next_token_distribution(tiny_targe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [1, 3])
-def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k):
+@pytest.mark.parametrize("k, repeat", [(1, 6), (3, 6), (1, 1)])
+def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k, repeat):
     """The whole-generation check of tests/core/test_verify_stats.py, through the real loop: a drafter
     given through the engine's seam samples k drafts from a fixed q != p (some outside p's support),
     and the first two tokens of 2,000 seeded generations must follow p(t1) p(t2 | t1), with the
-    truncated pipeline (top-k 4, so 16 cells).  k = 1: t2 is the bonus row after an accepted draft or
-    the next round's row 0; k = 3: t2 is row 1 of a window whose history holds draft d_0."""
+    truncated pipeline (top-k 4, so 16 cells).  A prompt too long for its last token to ride in its
+    chunk (repeat 6): t1 too is drawn through verification; k = 1: t2 is the bonus row after an
+    accepted draft or the next round's row 0; k = 3: t2 is row 1 of a window whose history holds
+    draft d_0.  A short prompt (repeat 1): t1 comes from the prompt's own row, t2 from the first window."""
     from mars_local.speculate.drafters import Draft, Drafter
 
     params = dict(temperature=1.3, top_k=4, top_p=1.0, min_p=0.0)
     sp = SamplingParams(**params)
     with Engine(tiny_target, drafter="ngram") as eng:
-        toks = eng.tokenize("hello world")
-        p1 = probabilities(eng.logits(toks)[0], sp)
+        toks = eng.tokenize("hello world" * repeat)
+        assert (len(toks) > 65) == (repeat > 1)  # over 64 rows in its last chunk: the last token cannot ride
+        eog = list(eng.eog_ids)
+
+        def law(z):  # the generations ignore end-of-generation tokens (so that each has two tokens)
+            z = z.copy()
+            z[eog] = -np.inf
+            return probabilities(z, sp)
+
+        p1 = law(eng.logits(toks)[0])
         first = np.flatnonzero(p1)
-        p2 = {int(a): probabilities(eng.logits(toks + [int(a)])[0], sp) for a in first}
+        p2 = {int(a): law(eng.logits(toks + [int(a)])[0]) for a in first}
     support = sorted(set(first) | {int(b) for row in p2.values() for b in np.flatnonzero(row)})
     q = np.zeros(len(p1))
     q[support] = 1.0
@@ -210,9 +221,12 @@ def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k):
     n, counts = 2000, {}
     with Engine(tiny_target, drafter="ngram", drafter_factory=lambda cfg, seed, controls: FromQ(seed)) as eng:
         for seed in range(n):
-            out = eng.generate(toks, max_tokens=k + 1, verify="strict", draft_max=k, adaptive=False, seed=seed,
-                               **params)
-            t12 = tuple(out.tokens[:2])  # the tiny model's EOG is outside these supports: 2 tokens or more
+            if repeat == 1:
+                eng.reset()  # else the whole prompt is cached and its last token has no chunk to ride in
+            out = eng.generate(toks, max_tokens=k + 1 + (repeat == 1), verify="strict", draft_max=k, adaptive=False, seed=seed,
+                               ignore_eos=True, **params)
+            t12 = tuple(out.tokens[:2])
+            assert out.stats.first_from_prompt == (repeat == 1)
             counts[t12] = counts.get(t12, 0) + 1
             accepted = out.stats.n_accepted if seed == 0 else accepted + out.stats.n_accepted
     cells = [(int(a), int(b)) for a in first for b in np.flatnonzero(p2[int(a)])]
@@ -221,6 +235,34 @@ def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k):
     obs = np.array([counts.get(c, 0) for c in cells])
     assert accepted > n // 10  # drafts were accepted, so the accept/bonus rows were exercised
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
+
+
+def test_the_first_token_comes_before_the_drafter_sees_the_prompt(tiny_target):
+    """Time to first token: the prompt's last token rides in its last chunk, so the first chunk
+    is yielded before the drafter begins (a draft model's prefill) and before any round; strict
+    greedy output is still plain greedy's, and a cached prompt (nothing to ride in) still works."""
+    from mars_local.speculate.drafters import NgramDrafter
+
+    events = []
+
+    class Spy(NgramDrafter):
+        def begin(self, tokens):
+            events.append(("begin", len(tokens)))
+            return super().begin(tokens)
+
+    with Engine(tiny_target, drafter="ngram", drafter_factory=lambda cfg, seed, controls: Spy()) as eng:
+        want = eng.generate("hello world hello", max_tokens=10, draft_max=0).tokens
+        eng.reset()
+        events.clear()
+        stream = eng.stream("hello world hello", max_tokens=10, temperature=0, verify="strict", adaptive=False)
+        first = next(stream)
+        assert first.tokens == want[:1] and first.kinds == ["target"] and events == []
+        assert stream.stats.first_from_prompt and stream.stats.n_rounds == 0
+        rest = [t for c in stream for t in c.tokens]
+        n_prompt = len(eng.tokenize("hello world hello"))
+        assert first.tokens + rest == want and events == [("begin", n_prompt + 1)]
+        again = eng.generate("hello world hello", max_tokens=10, temperature=0, verify="strict")
+        assert again.tokens == want and not again.stats.first_from_prompt  # all cached: the first window makes it
 
 
 def test_kv_rollback_matches_a_fresh_evaluation(tiny_target):

@@ -295,6 +295,7 @@ def test_engine_uses_the_kernel_and_generates_what_numpy_generates(
         fast = eng.generate("hello world", **opts)
         assert fast.stats.verify_backend == "native"
         monkeypatch.setattr(native, "available", lambda: False)
+        eng.reset()  # the same path: a fresh prompt whose first token comes from its own forward
         slow = eng.generate("hello world", **opts)
         assert slow.stats.verify_backend == "numpy"
     assert fast.tokens == slow.tokens and fast.kinds == slow.kinds

@@ -129,3 +129,38 @@ def test_windows_at_a_long_context_are_batch_invariant(smollm2):
     prompt = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(80))
     res = batch_invariance(smollm2, windows=(2, 9), n=18, n_threads=2, prompt=prompt)
     assert {w: d for w, (d, _) in res.items()} == {2: 0, 9: 0}, res
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_f16", "smollm2_q4km"])
+def test_the_last_token_riding_in_the_prompt_chunk_is_computed_as_alone(which, request):
+    """The first token comes from the prompt's last row when that row rode in the prompt's last chunk
+    (llama.context.last_rides): its logits, and the cache it leaves, must be a lone run's bit for bit
+    (prefill of the rest, then a 1-row decode), at prompt lengths on both sides of the bound."""
+    import numpy as np
+
+    from mars_local.llama.context import Context
+    from mars_local.llama.runtime import Model
+
+    m = Model(request.getfixturevalue(which), 0, exact_kernels=True)
+    text = "The history of the printing press begins in the workshops of many towns and cities. " * 8
+    toks = m.tokenize(text)
+    try:
+        for n in (6, 40, 63, 64, 65, 90):
+            a, b = Context(m, n_ctx=256, n_threads=2), Context(m, n_ctx=256, n_threads=2)
+            try:
+                _, row = a.prefill(toks[:n])
+                assert (row is not None) == (n <= 64), n
+                b.sync(toks[: n - 1])
+                lone = b.eval([toks[n - 1]], 1)[0].copy()
+                if row is None:  # no ride: the cache holds the prompt without its last token
+                    assert a.n_past == n - 1
+                    row = a.eval([toks[n - 1]], 1)[0].copy()
+                assert np.array_equal(row, lone), n
+                nxt = int(lone.argmax())  # the next row reads every cell the prompt left
+                assert np.array_equal(a.eval([nxt], 1)[0], b.eval([nxt], 1)[0]), n
+            finally:
+                a.close()
+                b.close()
+    finally:
+        m.close()
