@@ -13,6 +13,40 @@ CHATML = (
 )
 
 
+def _add_vocab(w, n_vocab: int, token_suffix: str, eos_id: int, chat_template: str | None) -> None:
+    """A byte-fallback llama vocabulary of n_vocab tokens (control, bytes, ASCII, a few words, fillers)."""
+    T = gguf.TokenType
+    toks, types = ["<unk>", "<s>", "</s>"], [T.UNKNOWN, T.CONTROL, T.CONTROL]
+    toks += [f"<0x{b:02X}>" for b in range(256)]
+    types += [T.BYTE] * 256
+    for t in ("<|im_start|>", "<|im_end|>"):
+        toks.append(t)
+        types.append(T.CONTROL)
+    for t in ["\u2581"] + [chr(c) for c in range(33, 127)]:
+        toks.append(t)
+        types.append(T.NORMAL)
+    for t in ["\u2581the", "\u2581a", "\u2581hello", "\u2581world"]:
+        toks.append(t + token_suffix)
+        types.append(T.NORMAL)
+    i = 0
+    while len(toks) < n_vocab:
+        toks.append(f"\u2581w{i}{token_suffix}")
+        types.append(T.NORMAL)
+        i += 1
+    scores = [0.0] * 259 + [-1.0 * k for k in range(len(toks) - 259)]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types([int(t) for t in types])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(eos_id)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+
 def make_tiny_llama(
     path: Path,
     *,
@@ -48,36 +82,7 @@ def make_tiny_llama(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    T = gguf.TokenType
-    toks, types = ["<unk>", "<s>", "</s>"], [T.UNKNOWN, T.CONTROL, T.CONTROL]
-    toks += [f"<0x{b:02X}>" for b in range(256)]
-    types += [T.BYTE] * 256
-    for t in ("<|im_start|>", "<|im_end|>"):
-        toks.append(t)
-        types.append(T.CONTROL)
-    for t in ["\u2581"] + [chr(c) for c in range(33, 127)]:
-        toks.append(t)
-        types.append(T.NORMAL)
-    for t in ["\u2581the", "\u2581a", "\u2581hello", "\u2581world"]:
-        toks.append(t + token_suffix)
-        types.append(T.NORMAL)
-    i = 0
-    while len(toks) < n_vocab:
-        toks.append(f"\u2581w{i}{token_suffix}")
-        types.append(T.NORMAL)
-        i += 1
-    scores = [0.0] * 259 + [-1.0 * k for k in range(len(toks) - 259)]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores(scores)
-    w.add_token_types([int(t) for t in types])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(eos_id)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
-    if chat_template:
-        w.add_chat_template(chat_template)
+    _add_vocab(w, n_vocab, token_suffix, eos_id, chat_template)
 
     def r(*shape, scale=0.02):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -99,6 +104,86 @@ def make_tiny_llama(
         noise = np.random.default_rng(seed + 1000).standard_normal(out_w.shape) * out_noise
         out_w = (out_w + noise).astype(np.float32)
     w.add_tensor("output.weight", out_w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def make_tiny_mimo2(
+    path: Path,
+    *,
+    n_nextn: int = 1,
+    n_vocab: int = 384,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_layer: int = 2,
+    n_ff: int = 128,
+    n_ctx: int = 1024,
+    seed: int = 0,
+    trunk_scale: float = 0.06,
+    mtp_noise: float = 0.005,
+    mtp_reads: str = "token",
+    mtp_scale: float | None = None,
+    chat_template: str | None = CHATML,
+) -> Path:
+    """A dense mimo2 model with ``n_nextn`` multi-token-prediction (nextn) layers after its
+    ``n_layer`` trunk layers (``../shared/notes/mtp-eagle3.md``).  Small trunk weights make the
+    trunk close to a bigram model of its embeddings; the MTP block's eh_proj is [I | noise] with
+    small block weights, so the MTP head's prediction from (token, hidden) agrees with the trunk's
+    part of the time (``mtp_noise`` lowers the agreement).  ``mtp_reads="hidden"``: eh_proj is
+    [0 | I] instead, so (with a small ``mtp_scale`` for the MTP block) the MTP head at position p
+    repeats the trunk's prediction at p-1, read from the hidden row it is fed: a test of the feed."""
+    rng = np.random.default_rng(seed)
+    hd = n_embd // n_head
+    n_all = n_layer + n_nextn
+    w = gguf.GGUFWriter(str(path), "mimo2")
+    w.add_name("tiny-test-mimo2")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_all)
+    w.add_nextn_predict_layers(n_nextn)
+    w.add_feed_forward_length(n_ff)
+    w.add_expert_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_sliding_window(4 * n_ctx)  # wider than any context: every layer attends to all
+    w.add_sliding_window_pattern([b == 0 for b in range(n_all)])  # one "sliding" trunk layer is required
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w, n_vocab, "", 2, chat_template)
+
+    def r(*shape, scale=0.02):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def block(b: int, scale: float) -> None:
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.attn_qkv.weight", r((n_head + 2 * n_head_kv) * hd, n_embd, scale=scale))
+        w.add_tensor(f"blk.{b}.attn_output.weight", r(n_embd, n_head * hd, scale=scale))
+        w.add_tensor(f"blk.{b}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.ffn_gate.weight", r(n_ff, n_embd, scale=scale))
+        w.add_tensor(f"blk.{b}.ffn_up.weight", r(n_ff, n_embd, scale=scale))
+        w.add_tensor(f"blk.{b}.ffn_down.weight", r(n_embd, n_ff, scale=scale))
+
+    w.add_tensor("token_embd.weight", r(n_vocab, n_embd, scale=1.0))
+    for b in range(n_layer):
+        block(b, trunk_scale)
+    for b in range(n_layer, n_all):
+        block(b, trunk_scale if mtp_scale is None else mtp_scale)
+        if mtp_reads == "hidden":
+            eh = np.concatenate([np.zeros((n_embd, n_embd), np.float32), np.eye(n_embd, dtype=np.float32)], axis=1)
+        else:
+            eh = np.concatenate([np.eye(n_embd, dtype=np.float32), r(n_embd, n_embd, scale=mtp_noise)], axis=1)
+        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", eh)
+        w.add_tensor(f"blk.{b}.nextn.enorm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.nextn.hnorm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", r(n_vocab, n_embd, scale=1.0))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -26,20 +26,26 @@ def registry_rows() -> tuple[object, list[dict]]:
     from ..models.hub import describe
     from ..models.registry import load_registry
 
+    from ..llama.mtp import mtp_layers
+
     reg = load_registry()
     rows = []
     for name, pair in reg.pairs.items():
         settings = GenerateConfig(**pair.overrides)
+        target = describe(pair.target)
         rows.append(
             {
                 "name": name,
                 "default": name == reg.default,
                 "description": pair.description,
-                "target": describe(pair.target),
+                "target": target,
                 "draft": describe(pair.draft) if pair.draft else None,
                 "drafter": pair.drafter,
                 "theta": settings.theta,
                 "draft_max": settings.draft_max,
+                # the target's own multi-token-prediction layers (--drafter mtp), read from the file's
+                # header when it is on this machine (None: not downloaded)
+                "mtp_layers": mtp_layers(target["path"])[1] if target["present"] else None,
             }
         )
     return reg, rows
@@ -55,7 +61,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
     from rich.table import Table
 
     table = Table(box=None, header_style="bold")
-    for col in ("NAME", "TARGET", "DRAFT", "DRAFTER", "θ", "K", "LOCAL", "SIZE"):
+    for col in ("NAME", "TARGET", "DRAFT", "DRAFTER", "θ", "K", "MTP", "LOCAL", "SIZE"):
         table.add_column(col, no_wrap=col in ("NAME", "LOCAL", "SIZE"))
     for r in rows:
         parts = [r["target"]] + ([r["draft"]] if r["draft"] else [])
@@ -68,11 +74,13 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
             r["drafter"],
             f"{r['theta']:g}",
             str(r["draft_max"]),
+            "?" if r["mtp_layers"] is None else (str(r["mtp_layers"]) if r["mtp_layers"] else "-"),
             "yes" if present else "no",
             _size(size),
         )
     Console().print(table)
-    echo(f"registry: {', '.join(reg.sources)}; `mars pull NAME` downloads a pair, --json shows the sources")
+    echo(f"registry: {', '.join(reg.sources)}; `mars pull NAME` downloads a pair, --json shows the sources; "
+         "MTP: the target's multi-token-prediction layers (--drafter mtp), ? until downloaded")
 
 
 def pull(

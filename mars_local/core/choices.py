@@ -19,7 +19,7 @@ __all__ = ["VerifyMethod", "VERIFY_METHODS", "DrafterKind", "DRAFTERS", "BENCH_D
 VerifyMethod = Literal["strict", "mars"]
 VERIFY_METHODS: tuple[VerifyMethod, ...] = get_args(VerifyMethod)
 
-DrafterKind = Literal["model", "ngram", "none"]
+DrafterKind = Literal["model", "ngram", "mtp", "none"]
 DRAFTERS: tuple[DrafterKind, ...] = get_args(DrafterKind)
 BENCH_DRAFTERS: tuple[DrafterKind, ...] = ("ngram", "model")  # what `mars bench` compares (plain always runs)
 

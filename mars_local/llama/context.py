@@ -207,10 +207,20 @@ class Context(OwnsContext):
         self._pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
         self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(n_batch,))
         self.tokens: list[int] = []  # mirror of the KV cache, positions 0..len-1
+        self.hidden: np.ndarray | None = None  # (n_ctx, n_embd) last hidden rows by position, when captured
 
     @property
     def n_past(self) -> int:
         return len(self.tokens)
+
+    def capture_hidden(self, n_embd: int) -> None:
+        """Keep the trunk's last hidden row of every position this context evaluates (``hidden[p]``,
+        the state before the output norm that an MTP layer reads): what llama/mtp.py feeds its rows."""
+        from llama_cpp import llama_cpp_ext  # the llama-ext.h bindings of the pinned release
+
+        llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, False)  # every row, not only output rows
+        self._get_hidden = llama_cpp_ext.llama_get_embeddings_nextn
+        self.hidden = np.zeros((self.n_ctx, n_embd), np.float32)
 
     def _decode(self, tokens, n_out: int) -> None:
         if not self._ctx:
@@ -230,6 +240,9 @@ class Context(OwnsContext):
             if rc == 1:
                 raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
             raise RuntimeError(f"llama_decode failed with code {rc}")
+        if self.hidden is not None:
+            rows = np.ctypeslib.as_array(self._get_hidden(self._ctx), shape=(n, self.hidden.shape[1]))
+            self.hidden[start:start + n] = rows
         self.tokens.extend(int(t) for t in tokens)
 
     def logits(self, n_rows: int) -> np.ndarray:

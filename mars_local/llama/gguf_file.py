@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..core.errors import MarsError
 
-__all__ = ["check_gguf_file"]
+__all__ = ["check_gguf_file", "gguf_metadata"]
 
 
 def check_gguf_file(path: Path) -> None:
@@ -103,9 +103,39 @@ def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
         buf.close()
 
 
-def _read_metadata(r: _Reader, n_kv: int) -> int | None:
+def gguf_metadata(path: Path) -> dict[str, int | str]:
+    """The scalar and string values of a GGUF file's metadata (arrays left out), from its header
+    alone, before llama.cpp loads it (e.g. ``general.architecture``, ``<arch>.nextn_predict_layers``);
+    {} when the header is one this parser cannot read."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            if size < 24:
+                return {}
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return {}
+    values: dict[str, int | str] = {}
+    try:
+        r = _Reader(buf, size)
+        if r.take("<I") not in (2, 3):
+            return {}
+        _, n_kv = r.take("<QQ")
+        if n_kv > 1 << 20:
+            return {}
+        _read_metadata(r, n_kv, values)
+    except (_Short, struct.error):
+        pass
+    finally:
+        buf.close()
+    return values
+
+
+def _read_metadata(r: _Reader, n_kv: int, values: dict | None = None) -> int | None:
     """Past the ``n_kv`` key/value pairs; the data alignment they give (None: a type this parser
-    does not know, or an array too long to judge cheaply)."""
+    does not know, or an array too long to judge cheaply).  ``values``: filled with the scalar
+    and string values by key."""
     alignment = 32
     for _ in range(n_kv):
         key = r.string()
@@ -128,6 +158,12 @@ def _read_metadata(r: _Reader, n_kv: int) -> int | None:
             val = r.take("<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[_GGUF_SCALAR[vtype]])
         else:
             return None
+        if values is not None:
+            text = key.decode("utf-8", "replace")
+            if vtype == 8:
+                values[text] = val.decode("utf-8", "replace")
+            elif vtype in (0, 1, 2, 3, 4, 5, 10, 11):  # integers (floats and bools left as raw bits: not needed)
+                values[text] = val
         if key == b"general.alignment" and vtype == 4 and val > 0:
             alignment = val
     return alignment

@@ -147,9 +147,12 @@ class Model:
     """
 
     def __init__(self, path: str | os.PathLike, n_gpu_layers: int | None = None, exact_kernels: bool = False,
-                 devices: Sequence[int] | None = None, tensor_split: Sequence[float] | None = None):
+                 devices: Sequence[int] | None = None, tensor_split: Sequence[float] | None = None,
+                 load_mtp: bool = False):
         """``devices``: the ggml devices to offload to (handles; None: llama.cpp's choice, every GPU and
-        registered RPC server; []: none, the CPU only); ``tensor_split``: layer proportions per device."""
+        registered RPC server; []: none, the CPU only); ``tensor_split``: layer proportions per device;
+        ``load_mtp``: load the multi-token-prediction (nextn) layers too (check the file has them
+        first: llama/mtp.py)."""
         p = Path(path).expanduser()
         check_gguf_file(p)
         init_backend()
@@ -169,12 +172,14 @@ class Model:
             params.tensor_split = ctypes.cast(self._split, ctypes.POINTER(ctypes.c_float))
         if exact_kernels:
             params.use_extra_bufts = False
+        params.load_mtp = bool(load_mtp)
         _recent_log.clear()
         self._model = C.llama_model_load_from_file(str(p).encode(), params)
         if not self._model:
             reason = _last_llama_error()
             raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
         self.path = str(p)
+        self.load_mtp = bool(load_mtp)
         self.offloaded = can_offload and n_gpu_layers != 0
         self.vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))

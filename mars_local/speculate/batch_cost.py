@@ -156,6 +156,8 @@ def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
     drafts), fewer when their KV caches (target and draft) would take over half the free memory."""
     from ..llama.context import available_memory, kv_cache_bytes
 
+    if engine.drafter_kind == "mtp":  # the MTP drafter runs one sequence at a time (for now)
+        return 1
     n_ctx_seq = n_ctx_seq or engine.n_ctx
     per_seq = kv_cache_bytes(engine.target, n_ctx_seq)
     if engine.draft_model is not None:

@@ -150,6 +150,9 @@ class Scheduler:
     def __init__(self, engine, n_parallel: int, n_ctx_seq: int | None = None):
         if n_parallel < 1:
             raise MarsError(f"--parallel must be >= 1, got {n_parallel}")
+        if engine.drafter_kind == "mtp":
+            raise MarsError("--drafter mtp decodes one sequence at a time in this version: use --parallel 1",
+                            field="parallel")
         self.eng = engine
         self.n_parallel = n_parallel
         n_seq_ctx = n_ctx_seq or engine.n_ctx

@@ -44,7 +44,7 @@ from ..core.errors import MarsError
 from ..core.sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
 from ..core.tokens import common_prefix_len
 
-__all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "EMPTY_DRAFT", "Extend"]
+__all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "MtpDrafter", "EMPTY_DRAFT", "Extend"]
 
 
 def drafter_kind(drafter: DrafterKind | None, draft) -> DrafterKind:
@@ -230,3 +230,14 @@ class ModelDrafter(Drafter):
 
     def observe(self, tokens: list[int], n_accepted: int) -> None:
         self.ctx.truncate(common_prefix_len(self.ctx.tokens, tokens, start=self._base))
+
+
+class MtpDrafter(ModelDrafter):
+    """Drafts with the target's own multi-token-prediction layers (llama.mtp.MtpContext): the
+    decisions of a draft model on the MTP head's rows.  Rows the MTP layer fed with its own hidden
+    state (drafts) never stay in its cache after a round: accepted ones are evaluated again, fed
+    by the target's hidden rows, in the decode that drafts the next round's first token."""
+
+    def observe(self, tokens: list[int], n_accepted: int) -> None:
+        ctx = self.ctx
+        ctx.truncate(min(common_prefix_len(ctx.tokens, tokens, start=self._base), ctx.n_exact))

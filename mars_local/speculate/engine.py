@@ -28,7 +28,7 @@ from .adaptive import AdaptiveK
 from ..core.choices import DrafterKind
 from .controllers import Controllers, calibrate, learned_keys
 from .controls import Controls, StopScanner
-from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, NgramDrafter, drafter_kind
+from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, drafter_kind
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream
@@ -37,6 +37,7 @@ from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from ..llama.rpc import placement
 from ..llama.context import Context
+from ..llama.mtp import MtpContext, check_mtp_model
 from ..llama.runtime import Model, build_fingerprint, check_vocab_compatible
 from ..core.sampling import position_uniforms
 from ..core.stats import SpecStats
@@ -97,10 +98,13 @@ class Engine:
         self.drafter_kind = drafter = drafter_kind(drafter, draft)
         # rpc: llama.cpp RPC servers (HOST:PORT) that take the target's layers; the draft stays local
         target_devs, draft_devs = placement(rpc, rpc_draft)
+        if drafter == "mtp":  # before loading: a model without nextn layers would abort in llama.cpp
+            check_mtp_model(target)
         self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels, devices=target_devs,
-                            tensor_split=tensor_split)
+                            tensor_split=tensor_split, load_mtp=drafter == "mtp")
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
+        self._mtp: MtpContext | None = MtpContext(self._ctx) if drafter == "mtp" else None
         if drafter != "none" and self.target.recurrent:
             raise MarsError(
                 "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
@@ -335,6 +339,11 @@ class Engine:
             )
         if self.drafter_kind == "ngram":
             return NgramDrafter(self.ngram_max, self.ngram_min)
+        if self.drafter_kind == "mtp":
+            return MtpDrafter(
+                self._mtp, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min,
+                controls=controls if controls.active else None,
+            )
         return Drafter()
 
     @property
@@ -507,12 +516,12 @@ class Engine:
     def reset(self) -> None:
         """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""
         self._check_idle()
-        for ctx in (self._ctx, self._draft_ctx):
+        for ctx in (self._ctx, self._draft_ctx, self._mtp):
             if ctx is not None:
                 ctx.truncate(0)
 
     def close(self) -> None:
-        for obj in (self._draft_ctx, self._ctx, self.draft_model, self.target):
+        for obj in (self._mtp, self._draft_ctx, self._ctx, self.draft_model, self.target):
             if obj is not None:
                 obj.close()
 

@@ -115,7 +115,7 @@ def test_choose_models_for_a_file(tmp_path):
                        (dict(drafter="ngram", no_draft=True), "--no-draft contradicts"),
                        (dict(model_draft=d, drafter="ngram"), "contradicts --drafter ngram"),
                        (dict(drafter="model"), "needs a draft model"),
-                       (dict(drafter="magic"), "drafter must be one of model, ngram, none")):
+                       (dict(drafter="magic"), "drafter must be one of model, ngram, mtp, none")):
         with pytest.raises(MarsError, match=needle):
             choose_models(t, **kw)
 

@@ -225,13 +225,17 @@ def test_models_json_and_user_registry(tmp_path, tiny_target):
     user = tmp_path / "cfg"
     user.mkdir()
     (user / "models.yaml").write_text(yaml.safe_dump({"models": {"mine": {
-        "target": {"repo": "me/tiny-GGUF", "file": "tiny.gguf"}, "drafter": "ngram", "theta": 0.8, "draft_max": 3}}}))
+        "target": {"repo": "me/tiny-GGUF", "file": "tiny.gguf"}, "drafter": "ngram", "theta": 0.8, "draft_max": 3},
+        "own-mtp": {"target": {"repo": "me/mtp-GGUF", "file": "mtp.gguf"}, "drafter": "mtp"}}}))
     r = invoke("models", "--json", env={"MARS_CONFIG_DIR": str(user)})
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     names = {m["name"]: m for m in obj["models"]}
     assert "smollm2-135m" in names and names["smollm2-135m"]["target"]["present"]
     assert names["mine"]["theta"] == 0.8 and not names["mine"]["target"]["present"]
+    assert names["own-mtp"]["drafter"] == "mtp"  # a pair that drafts with its target's own MTP layers
+    # MTP layers read from the header of a downloaded target (None until then)
+    assert names["smollm2-135m"]["mtp_layers"] == 0 and names["mine"]["mtp_layers"] is None
     assert len(obj["sources"]) == 2
     table = invoke("models", env={"MARS_CONFIG_DIR": str(user)})
     assert table.exit_code == 0 and "mine" in table.stdout

@@ -93,7 +93,7 @@ def test_the_drafter_rule_is_one_function():
     assert drafter_for(None, True) == "model" and drafter_for(None, False) == "none"
     assert drafter_for("ngram", False) == "ngram"
     for drafter, has_draft, words in (("model", False, "needs a draft model"), ("ngram", True, "draft model was given"),
-                                      ("magic", False, "drafter must be one of model, ngram, none, got 'magic'")):
+                                      ("magic", False, "drafter must be one of model, ngram, mtp, none, got 'magic'")):
         with pytest.raises(MarsError, match=words) as e:
             drafter_for(drafter, has_draft)
         assert e.value.field == "drafter"
