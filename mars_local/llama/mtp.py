@@ -6,37 +6,40 @@ trunk.  llama.cpp runs them in a second context of the same model (``ctx_type = 
 target's hidden state h_{p-1} (the trunk's last hidden row at p-1, before the output norm) and
 predicting t_{p+1} (``../shared/notes/mtp-eagle3.md``).
 
-:class:`MtpContext` gives that context the interface of
-:class:`~mars_local.llama.context.Context` (``tokens``, ``n_past``, ``n_ctx``, ``eval``,
-``truncate``, ``sync``), so :class:`~mars_local.speculate.drafters.ModelDrafter`'s decisions
-(draft sampling, p_min, controls, confidence keys) run on it unchanged.  What it feeds each row:
+:func:`open_mtp` gives a target (a lone :class:`~mars_local.llama.context.Context` or the
+sequences of a :class:`~mars_local.llama.streams.MultiContext`) an :class:`MtpContext`: a
+MultiContext over the MTP context, one sequence per target sequence in a unified cache, whose
+views (:class:`MtpView`) have the Context interface, so the decisions of
+:class:`~mars_local.speculate.drafters.ModelDrafter` (draft sampling, p_min, controls,
+confidence keys) and the scheduler's lockstep drafting run on it unchanged.  What a row of
+sequence s at position p is fed:
 
-* position p <= the target's ``n_past`` (a token the target has evaluated): h_{p-1} from the
-  target's captured hidden rows (:meth:`Context.capture_hidden`); zeros for p = 0;
+* p <= the target sequence's ``n_past`` (a token the target has evaluated): h_{p-1} from its
+  captured hidden rows (``capture_hidden``); zeros for p = 0;
 * a later position (a draft token): the MTP layer's own output hidden row of p-1 (chained
   drafting, as llama.cpp's ``draft-mtp``).
 
-Rows fed by the MTP layer's own hidden state are drafts: :attr:`MtpContext.n_exact` counts the
-leading positions fed by the target's, and a rollback keeps at most those, so the next round
-re-evaluates accepted drafts with the target's hidden rows (in the decode that drafts its first
-token).  With several nextn layers the first one drafts every position (the chained use
+Rows fed by the MTP layer's own hidden state are drafts: :attr:`MtpView.n_exact` counts the
+leading positions fed by the target's, and a view never keeps more than those past a truncate,
+so the next round evaluates accepted drafts again with the target's hidden rows (in the decode
+that drafts its first token).  Memory: the target keeps n_ctx x n_embd float32 hidden rows per
+sequence.  With several nextn layers the first one drafts every position (the chained use
 llama.cpp makes of a single head); the others are not run.
 """
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
 
 from ..core.errors import MarsError
-from ..core.tokens import common_prefix_len
 from .backend import C
-from .context import Context, OwnsContext, context_params, create_context
+from .context import Context
 from .gguf_file import gguf_metadata
+from .streams import MultiContext, SeqView
 
-__all__ = ["MtpContext", "mtp_layers", "check_mtp_model", "MTP_ARCHS", "RECURRENT_MTP_ARCHS"]
+__all__ = ["MtpContext", "MtpView", "open_mtp", "mtp_layers", "check_mtp_model", "MTP_ARCHS", "RECURRENT_MTP_ARCHS"]
 
 # architectures whose nextn layers llama.cpp (the pinned release) runs in an MTP context
 MTP_ARCHS = frozenset({
@@ -77,123 +80,82 @@ def check_mtp_model(path: str | Path) -> int:
     return n
 
 
-def _ext():
-    from llama_cpp import llama_cpp_ext  # the llama-ext.h bindings (experimental, exported by the pinned release)
+def open_mtp(target: Context | MultiContext) -> "MtpContext":
+    """The MTP context of ``target`` (its model loaded with ``load_mtp``), the target set to
+    keep the hidden rows it reads."""
+    model, n_embd = target.model, target.model.n_embd
+    target.capture_hidden(n_embd)
+    seqs = target.seqs if isinstance(target, MultiContext) else [target]
+    return MtpContext(model, seqs, target._ctx, target.n_ctx, n_embd, target.n_batch, target.n_threads)
 
-    return llama_cpp_ext
+
+class MtpContext(MultiContext):
+    """One sequence per target sequence (``targets``: Contexts or SeqViews with ``n_past`` and
+    ``hidden``), in the MTP context of the target's llama_context ``other``."""
+
+    def __init__(self, model, targets, other, n_ctx_seq: int, n_embd: int, n_batch: int, n_threads: int):
+        def configure(cp):
+            cp.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
+            cp.ctx_other = other
+
+        self.n_embd = n_embd
+        super().__init__(model, len(targets), n_ctx_seq, n_batch, n_threads, unified=True,
+                         configure=configure, n_embd_in=n_embd)
+        from llama_cpp import llama_cpp_ext  # the llama-ext.h bindings of the pinned release
+
+        llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, True)  # its own hidden rows, for output rows
+        self._own_hidden = llama_cpp_ext.llama_get_embeddings_nextn_ith
+        for view, t in zip(self.seqs, targets):
+            view.target = t
+
+    def _view(self, i: int) -> "MtpView":
+        return MtpView(self, i)
+
+    def _fill_embeddings(self, view: "MtpView", start: int, out: np.ndarray) -> None:
+        for j in range(len(out)):
+            out[j] = view.input_row(start + j)
+
+    def _decoded(self, parts, n_rows: int) -> None:
+        i = 0
+        for s, toks, n_out in parts:
+            v, n = self.seqs[s], len(toks)
+            start = len(v.tokens)
+            if v.n_exact == start:  # no draft row below: the rows the target fed extend it
+                v.n_exact = start + sum(1 for p in range(start, start + n) if p <= v.target.n_past)
+            if n_out:  # the last row's own hidden state feeds the next draft position
+                ptr = self._own_hidden(self._ctx, i + n - 1)  # by batch row, as llama_get_logits_ith
+                v.own = (start + n - 1, np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy())
+            i += n
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        n = min(n, self.seqs[src].n_exact)
+        if n > 0:
+            super().copy_prefix(src, dst, n)
+            self.seqs[dst].n_exact, self.seqs[dst].own = n, None
 
 
-class MtpContext(OwnsContext):
-    """The MTP context of ``target`` (a Context whose model was loaded with its nextn layers)."""
+class MtpView(SeqView):
+    """One sequence of an :class:`MtpContext` (the Context interface)."""
 
-    def __init__(self, target: Context):
-        model = target.model
-        cp, info = context_params(model, target.n_ctx, target.n_batch, target.n_threads)
-        cp.ctx_type = C.LLAMA_CONTEXT_TYPE_MTP
-        cp.ctx_other = target._ctx
-        self.target = target
-        self.model = model
-        self._ctx = create_context(model, cp, info)
-        self.n_ctx = int(C.llama_n_ctx(self._ctx))
-        self.n_batch = info.n_batch
-        self.n_embd = int(C.llama_model_n_embd(model._model))
-        self.mem = C.llama_get_memory(self._ctx)
-        ext = _ext()
-        ext.llama_set_embeddings_nextn(self._ctx, True, True)  # its own hidden rows, for output rows
-        self._get_hidden = ext.llama_get_embeddings_nextn_ith
-        target.capture_hidden(self.n_embd)
-        b = self._batch = C.llama_batch_init(self.n_batch, self.n_embd, 1)
-        self._tok_buf = (C.llama_token * self.n_batch)()
-        b.token = self._tok_buf  # rows carry a token and an embedding
-        for i in range(self.n_batch):
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-        self._tok = np.ctypeslib.as_array(self._tok_buf, shape=(self.n_batch,))
-        self._pos = np.ctypeslib.as_array(b.pos, shape=(self.n_batch,))
-        self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(self.n_batch,))
-        self._emb = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd))
-        self.n_vocab = model.n_vocab
-        self.tokens: list[int] = []
+    def __init__(self, owner: MtpContext, seq_id: int):
+        super().__init__(owner, seq_id)
+        self.target = None  # the target sequence whose hidden rows feed this one
         self.n_exact = 0  # leading positions fed by the target's hidden rows (not drafts)
-        self._own: tuple[int, np.ndarray] | None = None  # (position, the MTP layer's hidden row there)
+        self.own: tuple[int, np.ndarray] | None = None  # (position, the MTP layer's hidden row there)
 
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            self._batch.token = ctypes.POINTER(C.llama_token)()  # ours: llama_batch_free must not free it
-        super().close()
-
-    def _input_row(self, p: int) -> np.ndarray:
+    def input_row(self, p: int) -> np.ndarray:
         """h_{p-1}: the target's hidden row, or for a draft position the MTP layer's own."""
         if p == 0:
-            return np.zeros(self.n_embd, np.float32)
+            return np.zeros(self.owner.n_embd, np.float32)
         if p <= self.target.n_past:
             return self.target.hidden[p - 1]
-        if self._own is None or self._own[0] != p - 1:
+        if self.own is None or self.own[0] != p - 1:
             raise RuntimeError(f"MTP: no hidden row for position {p - 1} (a draft evaluated out of order)")
-        return self._own[1]
-
-    def _decode(self, tokens: list[int], n_out: int) -> None:
-        if not self._ctx:
-            raise MarsError("this context was closed (Engine.close() during a generation?)")
-        n, start = len(tokens), len(self.tokens)
-        for i in range(n):
-            self._emb[i] = self._input_row(start + i)
-        self._tok[:n] = tokens
-        self._pos[:n] = np.arange(start, start + n)
-        self._out[:n] = 0
-        self._out[n - n_out:n] = 1
-        self._batch.n_tokens = n
-        rc = C.llama_decode(self._ctx, self._batch)
-        if rc != 0:
-            C.llama_memory_seq_rm(self.mem, 0, start, -1)
-            if rc == 1:
-                raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
-            raise RuntimeError(f"llama_decode (MTP) failed with code {rc}")
-        if self.n_exact == start:  # still no draft row below: the rows fed by the target extend it
-            self.n_exact = start + sum(1 for i in range(n) if start + i <= self.target.n_past)
-        self.tokens.extend(int(t) for t in tokens)
-        ptr = self._get_hidden(self._ctx, n - 1)  # by batch row, as llama_get_logits_ith
-        self._own = (start + n - 1, np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy())
-
-    def eval(self, tokens, n_out: int = 1) -> np.ndarray | None:
-        """Append ``tokens`` (chunked by n_batch); the logits of the last n_out rows (n_out >= 1)."""
-        tokens = list(tokens)
-        if not tokens:
-            return None
-        if len(self.tokens) + len(tokens) > self.n_ctx:
-            raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
-        n_out = max(1, n_out)
-        i = 0
-        while len(tokens) - i > self.n_batch:
-            self._decode(tokens[i:i + self.n_batch], 1)
-            i += self.n_batch
-        rest = tokens[i:]
-        n = min(n_out, len(rest))
-        self._decode(rest, n)
-        ptr = C.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n, self.n_vocab))
+        return self.own[1]
 
     def truncate(self, n_keep: int) -> None:
-        """Drop every cached position >= n_keep."""
-        if n_keep >= len(self.tokens):
-            return
-        if not self._ctx:
-            raise MarsError("this context was closed")
-        C.llama_memory_seq_rm(self.mem, 0, n_keep, -1)
-        del self.tokens[n_keep:]
-        self.n_exact = min(self.n_exact, n_keep)
-        if self._own is not None and self._own[0] >= n_keep:
-            self._own = None
-
-    def sync(self, tokens) -> int:
-        """Hold exactly ``tokens`` (reusing the common prefix of rows fed by the target)."""
-        keep = min(common_prefix_len(self.tokens, tokens), self.n_exact)
-        self.truncate(keep)
-        rest = list(tokens[keep:])
-        if rest:
-            self.eval(rest, n_out=1)
-        return len(rest)
+        """Drop positions >= n_keep, and every row a draft fed (past :attr:`n_exact`)."""
+        super().truncate(min(n_keep, self.n_exact))
+        self.n_exact = min(self.n_exact, self.n_past)
+        if self.own is not None and self.own[0] >= self.n_past:
+            self.own = None

@@ -184,6 +184,7 @@ class Model:
         self.vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
+        self.n_embd = int(C.llama_model_n_embd(self._model))
         self.recurrent = bool(C.llama_model_is_recurrent(self._model) or C.llama_model_is_hybrid(self._model))
         self.add_bos = bool(C.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(C.llama_vocab_bos(self.vocab))

@@ -92,7 +92,9 @@ class MultiContext(OwnsContext):
 
     def __init__(self, model: Model, n_seq: int, n_ctx_seq: int = 4096, n_batch: int = 512,
                  n_threads: int | None = None, flash_attn: bool | None = None, kv_type: str = "f16",
-                 unified: bool = False):
+                 unified: bool = False, *, configure=None, n_embd_in: int = 0):
+        """``configure(cp)``: a last change to the context params (llama/mtp.py: an MTP context);
+        ``n_embd_in``: rows carry an input embedding of that width beside their token."""
         if not 1 <= n_seq <= 256:
             raise MarsError(f"the number of parallel sequences must be in 1..256, got {n_seq}")
         self.model = model
@@ -101,6 +103,8 @@ class MultiContext(OwnsContext):
         # unified: one cache all sequences share, any window lengths in one micro-batch, rows
         # not exact (cell order): for a draft model, whose numerics never change strict output
         cp.kv_unified = unified
+        if configure is not None:
+            configure(cp)
         self._ctx = create_context(model, cp, info)
         self.n_seq = n_seq
         self.unified = unified
@@ -110,17 +114,41 @@ class MultiContext(OwnsContext):
         self.n_threads = info.n_threads
         self.mem = C.llama_get_memory(self._ctx)
         self.n_vocab = model.n_vocab
-        self._batch = C.llama_batch_init(max(self.n_batch, MAX_INVARIANT_ROWS), 0, 1)
-        b = self._batch
         rows = max(self.n_batch, MAX_INVARIANT_ROWS)
+        self._batch = C.llama_batch_init(rows, n_embd_in, 1)
+        b = self._batch
         for i in range(rows):
             b.n_seq_id[i] = 1
+        self._emb = None
+        if n_embd_in:  # llama_batch_init gives an embedding buffer and no token one: ours
+            self._tok_buf = (C.llama_token * rows)()
+            b.token = self._tok_buf
+            self._emb = np.ctypeslib.as_array(b.embd, shape=(rows, n_embd_in))
         self._tok = np.ctypeslib.as_array(b.token, shape=(rows,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(rows,))
         self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(rows,))
         self._seq_ptrs = [b.seq_id[i] for i in range(rows)]
-        self.seqs = [SeqView(self, i) for i in range(n_seq)]
+        self.seqs = [self._view(i) for i in range(n_seq)]
         self.n_decodes = 0  # llama_decode calls so far (the scheduler's statistics)
+        self._get_hidden = None  # capture_hidden: the trunk's last hidden rows, kept per sequence
+
+    def _view(self, i: int) -> "SeqView":
+        return SeqView(self, i)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None) and self._emb is not None:
+            self._batch.token = ctypes.POINTER(C.llama_token)()  # ours: llama_batch_free must not free it
+        super().close()
+
+    def capture_hidden(self, n_embd: int) -> None:
+        """Keep every sequence's last hidden row of each position it evaluates (``SeqView.hidden[p]``,
+        what an MTP layer reads, llama/mtp.py); (n_ctx, n_embd) float32 per sequence."""
+        from llama_cpp import llama_cpp_ext  # the llama-ext.h bindings of the pinned release
+
+        llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, False)  # every row, in batch order
+        self._get_hidden = llama_cpp_ext.llama_get_embeddings_nextn
+        for v in self.seqs:
+            v.hidden = np.zeros((self.n_ctx, n_embd), np.float32)
 
     def seq(self, i: int) -> "SeqView":
         return self.seqs[i]
@@ -141,6 +169,8 @@ class MultiContext(OwnsContext):
                 self._out[i + n - n_out:i + n] = 1
             for r in range(i, i + n):
                 self._seq_ptrs[r][0] = s
+            if self._emb is not None:
+                self._fill_embeddings(view, start, self._emb[i:i + n])
             i += n
         self._batch.n_tokens = i
         rc = C.llama_decode(self._ctx, self._batch)
@@ -151,8 +181,25 @@ class MultiContext(OwnsContext):
             if rc == 1:
                 raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
             raise RuntimeError(f"llama_decode failed with code {rc}")
+        self._decoded(parts, i)
         for s, toks, _ in parts:
             self.seqs[s].tokens.extend(int(t) for t in toks)
+
+    def _fill_embeddings(self, view: "SeqView", start: int, out: np.ndarray) -> None:
+        """The input embeddings of ``view``'s rows at positions start.. (contexts with n_embd_in)."""
+        raise NotImplementedError
+
+    def _decoded(self, parts, n_rows: int) -> None:
+        """After a decode of ``parts`` (before the token mirrors grow): keep the hidden rows."""
+        if self._get_hidden is None:
+            return
+        width = self.seqs[0].hidden.shape[1]
+        rows = np.ctypeslib.as_array(self._get_hidden(self._ctx), shape=(n_rows, width))
+        i = 0
+        for s, toks, _ in parts:
+            start, n = len(self.seqs[s].tokens), len(toks)
+            self.seqs[s].hidden[start:start + n] = rows[i:i + n]
+            i += n
 
     def _rows(self, n: int, first: int = 0) -> np.ndarray:
         ptr = C.llama_get_logits(self._ctx)
@@ -216,6 +263,8 @@ class MultiContext(OwnsContext):
             C.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
             C.llama_memory_seq_rm(self.mem, dst, n, -1)
         b.tokens = a.tokens[:n]
+        if a.hidden is not None:
+            b.hidden[:n] = a.hidden[:n]
 
 
 class SeqView:
@@ -224,6 +273,7 @@ class SeqView:
     def __init__(self, owner: MultiContext, seq_id: int):
         self.owner, self.seq_id = owner, seq_id
         self.tokens: list[int] = []  # mirror of this sequence's cells, positions 0..len-1
+        self.hidden: np.ndarray | None = None  # (n_ctx, n_embd) hidden rows by position (capture_hidden)
 
     @property
     def n_past(self) -> int:
@@ -267,9 +317,8 @@ class SeqView:
 
     def sync(self, tokens) -> int:
         """Make this sequence hold exactly ``tokens``, reusing the common prefix; tokens evaluated."""
-        keep = common_prefix_len(self.tokens, tokens)
-        self.truncate(keep)
-        rest = list(tokens[keep:])
+        self.truncate(common_prefix_len(self.tokens, tokens))
+        rest = list(tokens[self.n_past:])  # (a view may keep less than asked: llama/mtp.py)
         if rest:
             self.eval(rest, n_out=0)
         return len(rest)

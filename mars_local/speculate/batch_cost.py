@@ -156,12 +156,12 @@ def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
     drafts), fewer when their KV caches (target and draft) would take over half the free memory."""
     from ..llama.context import available_memory, kv_cache_bytes
 
-    if engine.drafter_kind == "mtp":  # the MTP drafter runs one sequence at a time (for now)
-        return 1
     n_ctx_seq = n_ctx_seq or engine.n_ctx
     per_seq = kv_cache_bytes(engine.target, n_ctx_seq)
     if engine.draft_model is not None:
         per_seq += kv_cache_bytes(engine.draft_model, n_ctx_seq)
+    if engine.drafter_kind == "mtp":  # the target's hidden rows kept for the MTP layer (float32)
+        per_seq += n_ctx_seq * engine.target.n_embd * 4
     avail = None if engine.target.offloaded else available_memory()
     if avail is None or per_seq <= 0:
         return cap

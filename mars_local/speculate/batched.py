@@ -49,6 +49,7 @@ from ..core.verify import verify
 from ..core.stats import SpecStats
 from ..core.tokens import common_prefix_len
 from ..llama.context import last_rides
+from ..llama.mtp import open_mtp
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView, exact_reuse
 from .adaptive import expected_tokens
 from . import native
@@ -150,9 +151,6 @@ class Scheduler:
     def __init__(self, engine, n_parallel: int, n_ctx_seq: int | None = None):
         if n_parallel < 1:
             raise MarsError(f"--parallel must be >= 1, got {n_parallel}")
-        if engine.drafter_kind == "mtp":
-            raise MarsError("--drafter mtp decodes one sequence at a time in this version: use --parallel 1",
-                            field="parallel")
         self.eng = engine
         self.n_parallel = n_parallel
         n_seq_ctx = n_ctx_seq or engine.n_ctx
@@ -161,6 +159,8 @@ class Scheduler:
         self.dmc = None
         if engine.drafter_kind == "model":
             self.dmc = MultiContext(engine.draft_model, n_parallel, n_seq_ctx, unified=True, **opts)
+        elif engine.drafter_kind == "mtp":  # the target's MTP layers, one sequence per target sequence
+            self.dmc = open_mtp(self.mc)
         self.cost = BatchCost()
         # the patched libllama's verify kernel when there is one (same results as numpy), chosen once
         self._verify_window = native.verify if native.available() else verify

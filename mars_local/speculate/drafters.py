@@ -233,11 +233,8 @@ class ModelDrafter(Drafter):
 
 
 class MtpDrafter(ModelDrafter):
-    """Drafts with the target's own multi-token-prediction layers (llama.mtp.MtpContext): the
-    decisions of a draft model on the MTP head's rows.  Rows the MTP layer fed with its own hidden
-    state (drafts) never stay in its cache after a round: accepted ones are evaluated again, fed
-    by the target's hidden rows, in the decode that drafts the next round's first token."""
-
-    def observe(self, tokens: list[int], n_accepted: int) -> None:
-        ctx = self.ctx
-        ctx.truncate(min(common_prefix_len(ctx.tokens, tokens, start=self._base), ctx.n_exact))
+    """Drafts with the target's own multi-token-prediction layers: the decisions of a draft model
+    on the MTP head's rows (``ctx``: a llama.mtp.MtpView).  Rows the MTP layer fed with its own
+    hidden state (drafts) never stay in its cache after a round (the view keeps only rows the
+    target fed): accepted ones are evaluated again, fed by the target's hidden rows, in the
+    decode that drafts the next round's first token."""

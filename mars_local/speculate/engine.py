@@ -37,7 +37,7 @@ from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from ..llama.rpc import placement
 from ..llama.context import Context
-from ..llama.mtp import MtpContext, check_mtp_model
+from ..llama.mtp import MtpContext, check_mtp_model, open_mtp
 from ..llama.runtime import Model, build_fingerprint, check_vocab_compatible
 from ..core.sampling import position_uniforms
 from ..core.stats import SpecStats
@@ -104,7 +104,9 @@ class Engine:
                             tensor_split=tensor_split, load_mtp=drafter == "mtp")
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
-        self._mtp: MtpContext | None = MtpContext(self._ctx) if drafter == "mtp" else None
+        # the target's own MTP layers draft (llama/mtp.py): their context, and its one sequence
+        self._mtp_ctx: MtpContext | None = open_mtp(self._ctx) if drafter == "mtp" else None
+        self._mtp = self._mtp_ctx.seq(0) if self._mtp_ctx is not None else None
         if drafter != "none" and self.target.recurrent:
             raise MarsError(
                 "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
@@ -521,7 +523,7 @@ class Engine:
                 ctx.truncate(0)
 
     def close(self) -> None:
-        for obj in (self._mtp, self._draft_ctx, self._ctx, self.draft_model, self.target):
+        for obj in (self._mtp_ctx, self._draft_ctx, self._ctx, self.draft_model, self.target):
             if obj is not None:
                 obj.close()
 

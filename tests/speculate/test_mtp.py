@@ -152,10 +152,23 @@ def test_mars_run_drafts_with_mtp(mimo2):
     assert got["stats"]["n_drafted"] > 0 and got["tokens"] == ref["tokens"]
 
 
-def test_many_sequences_with_mtp_is_one_clear_error(mimo2):
-    with Engine(mimo2[1], drafter="mtp", n_ctx=512, n_threads=2, learned=False) as e:
-        with pytest.raises(MarsError, match="one sequence at a time"):
-            Scheduler(e, 4)
+@pytest.mark.parametrize("n_parallel, n_prompts", [(3, 5), (8, 8)])
+def test_many_sequences_draft_with_mtp_and_stay_exact(mimo2, n_parallel, n_prompts):
+    """The scheduler drafts every sequence with the MTP layers in lockstep (one MTP decode per
+    step for all); each sequence's strict greedy tokens equal plain greedy alone, with a sequence
+    leaving early and others joining, and drafts are accepted."""
+    prompts = [PROMPTS[i % 3] + " w%d" % i for i in range(n_prompts)]
+    with Engine(mimo2[2], drafter="mtp", n_ctx=512, n_threads=2, learned=False) as e:
+        want = [plain(e, p, 24) for p in prompts]
+        sch = Scheduler(e, n_parallel)
+        try:
+            streams = [sch.submit(p, max_tokens=24 if i else 5, temperature=0, verify="strict", ignore_eos=True)
+                       for i, p in enumerate(prompts)]
+            got = [[t for c in st for t in c.tokens] for st in streams]
+        finally:
+            sch.close()
+    assert got[0] == want[0][:5] and got[1:] == want[1:]
+    assert sum(st.stats.n_accepted for st in streams) > 0
 
 
 def test_every_draft_is_the_one_a_fresh_mtp_context_makes_for_its_tokens(mimo2, monkeypatch):
@@ -164,7 +177,7 @@ def test_every_draft_is_the_one_a_fresh_mtp_context_makes_for_its_tokens(mimo2, 
     again with the target's hidden rows, and prefix reuse) equals the greedy chain a fresh target
     and MTP context compute for the same tokens."""
     from mars_local.llama.context import Context
-    from mars_local.llama.mtp import MtpContext
+    from mars_local.llama.mtp import open_mtp
     from mars_local.llama.runtime import Model
     from mars_local.speculate.drafters import MtpDrafter
 
@@ -186,7 +199,8 @@ def test_every_draft_is_the_one_a_fresh_mtp_context_makes_for_its_tokens(mimo2, 
     try:
         for tokens, draft in seen[::3]:
             ctx = Context(m, n_ctx=512, n_batch=16, n_threads=2)
-            mtp = MtpContext(ctx)
+            owner = open_mtp(ctx)
+            mtp = owner.seq(0)
             try:
                 ctx.sync(tokens[:-1])
                 row, chain = mtp.eval(tokens, 1)[0], []
@@ -195,7 +209,7 @@ def test_every_draft_is_the_one_a_fresh_mtp_context_makes_for_its_tokens(mimo2, 
                     row = mtp.eval([chain[-1]], 1)[0]
                 assert chain == draft, len(tokens)
             finally:
-                mtp.close()
+                owner.close()
                 ctx.close()
     finally:
         m.close()
@@ -225,3 +239,34 @@ def test_the_mtp_layer_is_fed_the_target_hidden_row_of_the_position_before(tiny_
                        ignore_eos=True)
     assert len(seen) > 20
     assert sum(last == d0 for last, d0 in seen) >= 0.9 * len(seen), seen
+
+
+def test_the_scheduler_feeds_each_sequence_its_own_hidden_rows(tiny_dir, monkeypatch):
+    """As the lone feed test, for sequences drafting in lockstep: with the MTP layer that repeats
+    the trunk's previous prediction, each sequence's first draft is its own last token."""
+    from tinymodels import make_tiny_mimo2
+
+    from mars_local.speculate.lockstep import DraftSteps
+
+    path = make_tiny_mimo2(tiny_dir / "mimo2-reads-hidden.gguf", seed=5, mtp_reads="hidden", mtp_scale=0.001)
+    seen = []
+    draft = DraftSteps.draft
+
+    def recording(self):
+        d = draft(self)
+        seen.append((self.s.run.tokens[-1], d.tokens[0] if d.tokens else None))
+        return d
+
+    monkeypatch.setattr(DraftSteps, "draft", recording)
+    with Engine(path, drafter="mtp", n_ctx=512, n_batch=16, n_threads=2, learned=False) as e:
+        sch = Scheduler(e, 4)
+        try:
+            streams = [sch.submit(p * 2 + f" w{i}", max_tokens=30, temperature=0, verify="strict", draft_max=3,
+                                  adaptive=False, ignore_eos=True) for i, p in enumerate(PROMPTS * 2)]
+            for st in streams:
+                st.result()
+        finally:
+            sch.close()
+    drafted = [(last, d0) for last, d0 in seen if d0 is not None]
+    assert len(drafted) > 20
+    assert sum(last == d0 for last, d0 in drafted) >= 0.9 * len(drafted), drafted
