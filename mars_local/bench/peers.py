@@ -192,7 +192,12 @@ class LlamaCppBinaryPeer:
         if self.method == PEER_SPEC:
             n_max = "--spec-draft-n-max" if self._has("--spec-draft-n-max") else "--draft-max"
             a += [n_max, str(self.k)]
-            if self.drafter == "model":
+            if self.drafter == "mtp":  # the target's own nextn layers (llama.cpp's draft-mtp)
+                if not self._has("draft-mtp"):
+                    raise MarsError(f"{self.binary.name} cannot draft with MTP layers (no --spec-type draft-mtp): "
+                                    "an older llama.cpp")
+                a += ["--spec-type", "draft-mtp"]
+            elif self.drafter == "model":
                 a += ["-md", str(s.draft)]
                 if s.n_gpu_layers_draft is not None:
                     a += ["-ngld", str(s.n_gpu_layers_draft if s.n_gpu_layers_draft >= 0 else 999)]

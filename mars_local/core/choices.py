@@ -21,7 +21,7 @@ VERIFY_METHODS: tuple[VerifyMethod, ...] = get_args(VerifyMethod)
 
 DrafterKind = Literal["model", "ngram", "mtp", "none"]
 DRAFTERS: tuple[DrafterKind, ...] = get_args(DrafterKind)
-BENCH_DRAFTERS: tuple[DrafterKind, ...] = ("ngram", "model")  # what `mars bench` compares (plain always runs)
+BENCH_DRAFTERS: tuple[DrafterKind, ...] = ("ngram", "model", "mtp")  # what `mars bench` compares (plain always runs)
 
 DraftSampling = Literal["greedy", "sample"]
 DRAFT_SAMPLINGS: tuple[DraftSampling, ...] = get_args(DraftSampling)

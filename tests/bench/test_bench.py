@@ -355,7 +355,7 @@ import sys
 from pathlib import Path
 args = sys.argv[1:]
 if "--help" in args:
-    print("-m, --model FNAME\n--spec-type TYPE\n--spec-draft-n-max N\n--no-escape\n"
+    print("-m, --model FNAME\n--spec-type TYPE  none,draft-simple,draft-mtp,ngram-simple\n--spec-draft-n-max N\n--no-escape\n"
           "-no-cnv, --no-conversation\n--no-display-prompt\n--spec-ngram-simple-size-n N")
     sys.exit(0)
 with open({log!r}, "a") as f:
@@ -410,6 +410,25 @@ def test_llama_cpp_peers_with_a_fake_binary(tiny_target, tmp_path):
     assert spec_call[spec_call.index("--spec-draft-n-max") + 1] == "8"
     comp_call = next(c for c in calls if "--spec-type" not in c)
     assert "-no-cnv" in comp_call and "-f" in comp_call
+
+
+def test_mtp_drafting_is_benchmarked_against_llama_cpp_draft_mtp(tiny_dir, tmp_path):
+    """--drafter mtp: our strict and MARS rows draft with the target's MTP layers, and
+    llama-speculative-simple is run with --spec-type draft-mtp on the same file (no -md)."""
+    from tinymodels import make_tiny_mimo2
+
+    model = make_tiny_mimo2(tiny_dir / "mimo2-bench.gguf", seed=5)
+    log = _fake_bin(tmp_path / "bin")
+    out = tmp_path / "b.json"
+    r = invoke("bench", "--quick", "-m", model, "--drafter", "mtp", "--categories", "math", "--no-peers",
+               "--llama-cpp-bin", tmp_path / "bin", "--json", out)
+    assert r.exit_code == 0, r.output
+    runs = json.loads(out.read_text())["runs"]
+    ours = [row for row in runs if row["method"] in ("strict", "mars") and row["category"] == "all"]
+    assert ours and all(row["drafter"] == "mtp" for row in ours)
+    assert any(row["acceptance_rate"] for row in ours)  # the MTP head drafted, and was right at times
+    spec_call = next(c for c in log.read_text().splitlines() if "--spec-type" in c).split()
+    assert spec_call[spec_call.index("--spec-type") + 1] == "draft-mtp" and "-md" not in spec_call
 
 
 def test_llama_cpp_draft_length_sweep_and_the_best_speculative_row(tiny_target, tmp_path):

@@ -68,3 +68,25 @@ def test_a_client_leaving_mid_stream_does_not_disturb_the_others(server, tiny_ta
     assert left.result() and got == want
     line = server.wait_for_line(" cancelled: ", timeout=30)
     assert line
+
+
+def test_mars_serve_drafts_with_mtp_layers_for_concurrent_clients(tiny_dir):
+    """`mars serve --drafter mtp --parallel 3`: concurrent clients of a model with MTP layers each
+    get the lone greedy answer from a server drafting with those layers."""
+    from tinymodels import make_tiny_mimo2
+
+    model = make_tiny_mimo2(tiny_dir / "mimo2-serve.gguf", seed=5)
+    with Engine(model, learned=False) as eng:
+        want = [eng.generate(p, max_tokens=20, temperature=0, ignore_eos=True).text for p in PROMPTS[:6]]
+    with LiveServer.start("-m", model, "--drafter", "mtp", "--parallel", "3", "--temp", "0",
+                          "--verify", "strict") as s:
+        oa = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=120)
+
+        def ask(p):
+            r = oa.completions.create(model=model.stem, prompt=p, max_tokens=20, extra_body={"ignore_eos": True})
+            return r.choices[0].text
+
+        with cf.ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(ask, PROMPTS[:6]))
+        assert any("drafter: mtp" in line and "3 requests at once" in line for line in s.lines), s.lines
+    assert got == want
