@@ -314,7 +314,7 @@ def test_settings_validation(tiny_target):
         (dict(fixed_ks=(0,)), "fixed draft length"), (dict(draft_max=2, fixed_ks=(3,)), "fixed draft length"),
         (dict(repeats=0), "repeat"),
         (dict(thetas=(1.5,)), "theta"), (dict(thetas=(0.0,)), "theta"), (dict(thetas=()), "θ"),
-        (dict(drafters=("model",)), "draft model"), (dict(drafters=("magic",)), "ngram or model"),
+        (dict(drafters=("model",)), "draft model"), (dict(drafters=("magic",)), "one of ngram, model, mtp"),
         (dict(draft_max=0), "draft-max"), (dict(max_tokens=0), "tokens"), (dict(temperature=-1.0), "temperature"),
     ]:
         with pytest.raises(MarsError, match=needle):
@@ -485,7 +485,7 @@ def bad_bench(tiny_target, tmp_path_factory):
         "theta zero": (["--thetas", "0"], "theta"),
         "theta not a number": (["--thetas", "abc"], "not a number"),
         "draft model missing": (["--drafter", "model"], "draft model"),
-        "bad drafter": (["--drafter", "none"], "ngram or model"),
+        "bad drafter": (["--drafter", "none"], "one of ngram, model, mtp"),
         "pair and model": (["--pair", "smollm2-135m"], "exclusive"),
         "unknown pair": (["--pair", "no-such-pair", "-m", None], "unknown model"),
         "no binaries": (["--llama-cpp-bin", d / "bin"], "llama-speculative-simple"),
