@@ -133,6 +133,8 @@ def doctor_report() -> dict:
         "models": {
             r["name"]: all(p["present"] for p in [r["target"]] + ([r["draft"]] if r["draft"] else [])) for r in rows
         },
+        # which downloaded targets can draft with their own MTP layers (--drafter mtp): their nextn layers
+        "mtp_layers": {r["name"]: r["mtp_layers"] for r in rows if r["mtp_layers"] is not None},
         "learned": {
             "path": str(store.path),
             "problem": store.problem,
@@ -241,6 +243,9 @@ def _doctor_lines(rep: dict, servers) -> list[str]:
         f"native hot path:      {'yes' if rep['native_hot_path'] else 'no (verification runs in numpy)'}",
         f"model registry:       {reg_line}",
         f"models on this disk:  {models_line}",
+        "MTP drafting:         " + (", ".join(f"{n} ({k} nextn layer{'s' if k > 1 else ''})"
+                                            for n, k in rep["mtp_layers"].items() if k) or "none of them has MTP layers")
+        + " (--drafter mtp)",
         f"system:               {rep['system_info']}",
         f"learned state:        {len(learned['entries'])} entr{'y' if len(learned['entries']) == 1 else 'ies'}"
         f" in {learned['path']}" + (f" ({learned['problem']})" if learned["problem"] else "")

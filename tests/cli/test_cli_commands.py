@@ -310,8 +310,9 @@ def test_doctor_json():
     assert isinstance(rep["gpu_offload"], bool) and isinstance(rep["native_hot_path"], bool)
     assert rep["llama_cpp_python"] == "0.3.36"
     assert rep["models"]["smollm2-135m"] is True
+    assert rep["mtp_layers"]["smollm2-135m"] == 0  # read from the downloaded file's header
     text = invoke("doctor")
-    assert text.exit_code == 0 and "backend:" in text.stdout
+    assert text.exit_code == 0 and "backend:" in text.stdout and "MTP drafting:" in text.stdout
 
 
 @pytest.mark.slow
