@@ -25,7 +25,6 @@ Files go into the git-ignored cache (``.cache/standin/``); needs the ``gguf`` pa
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_standin import CACHE, INERT, ROOT, _copy_field, build  # noqa: E402
+from make_standin import CACHE, INERT, ROOT, _copy_field, build, finish  # noqa: E402
 
 ARCH = "mimo2"
 
@@ -113,12 +112,7 @@ def write_mimo2(src: Path, dst: Path, n_blocks: int, eh_proj: np.ndarray | None)
     add(f"blk.{m}.nextn.hnorm.weight", np.ones(n_embd, np.float32))
     add("output_norm.weight", tensors["output_norm.weight"].data)
     add("output.weight", embd)  # SmolLM2 ties its head to the embeddings; mimo2 wants it written
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, dst)
-    return dst
+    return finish(w, tmp, dst)
 
 
 def _rms(x: np.ndarray) -> np.ndarray:

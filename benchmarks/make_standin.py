@@ -104,6 +104,11 @@ def pad_model(src: str | os.PathLike, dst: str | os.PathLike, n_blocks: int) -> 
                 add(f"blk.{i}.{rest}", t)
     for t in others[1:]:
         add(t.name, t)
+    return finish(w, tmp, dst)
+
+
+def finish(w, tmp: Path, dst: Path) -> Path:
+    """Write the GGUFWriter ``w`` (opened on ``tmp``) out and move it to ``dst`` atomically."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
