@@ -72,6 +72,9 @@ def write_mimo2(src: Path, dst: Path, n_blocks: int, eh_proj: np.ndarray | None)
     w.add_head_count_kv(n_head_kv)
     w.add_rope_dimension_count(int(f["llama.rope.dimension_count"].contents()))
     w.add_rope_freq_base(float(f["llama.rope.freq_base"].contents()))
+    # the "sliding" layer's own rope base (llama.cpp's default for it is 10000): the model's
+    w.add_key_value(f"{ARCH}.rope.freq_base_swa", float(f["llama.rope.freq_base"].contents()),
+                    gguf.GGUFValueType.FLOAT32)
     w.add_layer_norm_rms_eps(float(f["llama.attention.layer_norm_rms_epsilon"].contents()))
     w.add_sliding_window(1 << 24)  # wider than any context: the "sliding" layer attends to all
     w.add_sliding_window_pattern([b == 0 for b in range(n_all)])

@@ -65,3 +65,30 @@ def test_pad_refuses_fewer_blocks_than_the_model_has(smollm2_f16, tmp_path):
     with pytest.raises(ValueError, match="cannot pad"):
         _standin_module().pad_model(smollm2_f16, tmp_path / "x.gguf", 10)
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_the_mtp_standin_is_smollm2_written_as_mimo2_with_a_nextn_layer(smollm2_f16, tmp_path):
+    """benchmarks/make_mtp_standin.py: the same model under mimo2's graph (q/k un-permuted for its
+    NEOX rope): first logits within F16 noise of SmolLM2's and the same first greedy tokens; one
+    nextn layer that --drafter mtp reads, and strict output with it equals plain."""
+    import sys
+
+    from mars_local import Engine
+    from mars_local.llama.mtp import mtp_layers
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from make_mtp_standin import write_mimo2
+
+    path = write_mimo2(smollm2_f16, tmp_path / "mimo2.gguf", 32, None)  # 2 inert blocks
+    assert mtp_layers(path) == ("mimo2", 1)
+    for prompt in ("The capital of France is", "def add(a, b):\n"):
+        ref, ref_row = _greedy(smollm2_f16, prompt, 8)
+        got, got_row = _greedy(path, prompt, 8)
+        assert got == ref, prompt
+        np.testing.assert_allclose(got_row, ref_row, rtol=0, atol=0.05)  # NEOX rope on un-permuted rows: other rounding
+    with Engine(path, drafter="mtp", n_ctx=256, n_threads=2, learned=False) as e:
+        want = e.generate("The capital of France is", max_tokens=16, temperature=0, draft_max=0).tokens
+        e.reset()
+        got = e.generate("The capital of France is", max_tokens=16, temperature=0, verify="strict", draft_max=2,
+                         adaptive=False)
+        assert got.tokens == want and got.stats.n_drafted > 0
