@@ -91,12 +91,16 @@ def _prefill_rate(sel: Sequence[Sample]) -> float | None:
     return sum(x.n_prefill for x in full) / t if full and t > 0 else None
 
 
-def summarize(prompts: Sequence[BenchPrompt], runs: Sequence[RunConfig], samples: dict) -> list[dict]:
+def summarize(prompts: Sequence[BenchPrompt], runs: Sequence[RunConfig], samples: dict,
+              rounds: dict | None = None) -> list[dict]:
     """One row per (configuration, category) plus one per configuration with category "all".
 
-    ``samples[run][i]`` is the :class:`Sample` of ``run`` on ``prompts[i]``;
-    ``runs[0]`` must be plain decoding (the reference for speedup, agreement,
-    quality recovery and NLL ratio).
+    ``samples[run][i]`` is the :class:`Sample` of ``run`` on ``prompts[i]`` (the fastest of
+    its repeats); ``runs[0]`` must be plain decoding (the reference for speedup, agreement,
+    quality recovery and NLL ratio).  ``rounds[run][j][i]``: every repeat's sample (repeat j
+    ran every configuration on prompt i interleaved, in a rotated order): the "all" rows then
+    get the rate of each round and, against llama.cpp's best speculative row of the same
+    round, the ratio per round (:func:`_spread`).
     """
     if not runs or runs[0].method != "plain":
         raise ValueError("the first run must be plain decoding")
@@ -135,7 +139,33 @@ def summarize(prompts: Sequence[BenchPrompt], runs: Sequence[RunConfig], samples
     for row in rows:
         spec = [o["tokens_per_second"] for o in rows if o["category"] == row["category"] and o["method"] == PEER_SPEC]
         row["vs_llama_spec"] = _ratio(row["tokens_per_second"], max(spec)) if spec else None
+    if rounds:
+        _spread([r for r in rows if r["category"] == "all"], runs, rounds)
     return rows
+
+
+def _round_rate(smp: Sequence[Sample]) -> float:
+    t = sum(x.time_decode_s for x in smp)
+    return sum(x.n_generated for x in smp) / t if t > 0 else 0.0
+
+
+def _spread(rows: list[dict], runs: Sequence[RunConfig], rounds: dict) -> None:
+    """Per round j (every configuration on every prompt, interleaved), each configuration's rate
+    and its ratio to llama.cpp's best speculative rate of that round; their median and range.  A
+    ratio whose rounds fall on both sides of 1.0 is not separable from llama.cpp at this noise
+    (``vs_llama_spec_separable`` False): a single figure there would be luck."""
+    rates = {r: [_round_rate(js) for js in rounds[r]] for r in runs}
+    n = len(next(iter(rates.values())))
+    spec = [r for r in runs if r.method == PEER_SPEC]
+    best = [max(rates[r][j] for r in spec) for j in range(n)] if spec else None
+    for row, r in zip(rows, runs):
+        row["tokens_per_second_rounds"] = rates[r]
+        row["tokens_per_second_median"] = float(np.median(rates[r]))
+        if best is not None:
+            ratios = [rates[r][j] / best[j] if best[j] > 0 else 0.0 for j in range(n)]
+            row["vs_llama_spec_rounds"] = ratios
+            row["vs_llama_spec_median"] = float(np.median(ratios))
+            row["vs_llama_spec_separable"] = min(ratios) > 1.0 or max(ratios) < 1.0
 
 
 # ==================================================================== output
@@ -165,6 +195,16 @@ def time_split(r: dict) -> str:
     return "/".join(f"{x / d:.0%}" for x in parts)
 
 
+def _vs_llama(r: dict) -> str:
+    """The ratio to llama.cpp's best speculative row: with rounds, their median and range, marked
+    "~" where the rounds fall on both sides of 1.0 (not separable at this noise)."""
+    rounds = r.get("vs_llama_spec_rounds")
+    if not rounds:
+        return _fmt(r.get("vs_llama_spec"), ".2f")
+    mark = "" if r["vs_llama_spec_separable"] else " ~"
+    return f"{r['vs_llama_spec_median']:.2f} ({min(rounds):.2f}–{max(rounds):.2f}){mark}"
+
+
 def render_tables(result_or_rows, title: str = ""):
     """Rich renderables: the overall table and a per-category speedup/quality table."""
     from rich.table import Table
@@ -187,7 +227,7 @@ def render_tables(result_or_rows, title: str = ""):
             _fmt(r["speedup_vs_plain"], ".2f") + ("×" if r["speedup_vs_plain"] is not None else ""),
             _fmt(r["acceptance_rate"], ".0%"), _fmt(r["mean_accepted_length"], ".2f"), _fmt(r["relaxed_share"], ".0%"),
             _fmt(r["token_agreement"], ".0%"), _fmt(r["quality_recovery"], ".3f"), _fmt(r["nll_ratio"], ".3f"),
-            _fmt(r.get("vs_best_fixed"), ".2f"), _fmt(r.get("vs_llama_spec"), ".2f"), split,
+            _fmt(r.get("vs_best_fixed"), ".2f"), _vs_llama(r), split,
             _fmt(r.get("prefill_tokens_per_second"), ".1f"),
         )
     cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "all"]

@@ -77,7 +77,10 @@ def run_bench(
         bench.close()
     wall = time.perf_counter() - t_start
     notes += _strict_differs(s, runs, samples)
-    rows = summarize(prompts, runs, samples)
+    rows = summarize(prompts, runs, samples, rounds=bench.rounds if s.repeats > 1 else None)
+    if s.repeats > 1 and any("vs_llama_spec_rounds" in r for r in rows):
+        notes.append(f"vs llama.cpp spec: the median of {s.repeats} interleaved rounds (range); ~ marks a ratio "
+                     "whose rounds fall on both sides of 1.0: not separable from llama.cpp at this noise")
     return BenchResult(s, prompts, runs, samples, rows, wall, notes)
 
 
@@ -187,6 +190,8 @@ class _Bench:
         # KV cache.
         self.scorer = TargetScorer(self.first)
         samples: dict[RunConfig, list[Sample | None]] = {r: [None] * len(self.prompts) for r in self.runs}
+        # every repeat's sample too: the spread of a configuration's rate over the rounds
+        self.rounds = {r: [[None] * len(self.prompts) for _ in range(self.s.repeats)] for r in self.runs}
         self.total, self.done = len(self.runs) * len(self.prompts) * self.s.repeats, 0
         for i, p in enumerate(self.prompts):
             self._generate(i, samples, progress)
@@ -207,6 +212,7 @@ class _Bench:
             shift = (i + rep * (len(runs) // self.s.repeats or 1)) % len(runs)
             for r in runs[shift:] + runs[:shift]:
                 smp = self.one(r, i)
+                self.rounds[r][rep][i] = smp
                 old = samples[r][i]
                 if old is None or _per_token(smp) < _per_token(old):
                     samples[r][i] = smp

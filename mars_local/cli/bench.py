@@ -79,7 +79,8 @@ FIXED_K = typer.Option(
     None, "--fixed-k", metavar="K1,K2,...",
     help="Draft lengths of the fixed-k runs (default: --draft-max), e.g. 1,2,4 to find the best fixed k.",
 )
-REPEAT = typer.Option(1, "--repeat", help="Generations per configuration and prompt; the fastest counts.")
+REPEAT = typer.Option(1, "--repeat", help="Rounds of every configuration on every prompt, interleaved; the fastest "
+                      "generation counts, and with 2+ the ratio to llama.cpp is the median of the rounds' (range shown).")
 SEED = typer.Option(DEFAULTS.seed_bench, "-s", "--seed", help="Seed of sampling runs (--temp > 0).")
 QUICK = typer.Option(False, "--quick", help="Smoke run: 1 prompt per category, 16 tokens, one θ.")
 PER_CATEGORY = typer.Option(

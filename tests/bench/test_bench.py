@@ -172,6 +172,39 @@ def test_summarize_on_known_samples():
     assert a["quality_recovery"] == pytest.approx(0.5)
 
 
+def test_rounds_give_each_ratio_to_llama_cpp_a_median_and_a_range():
+    """With repeats, each round's rate and its ratio to llama.cpp's best speculative rate of the
+    same round; a ratio whose rounds fall on both sides of 1.0 is marked not separable."""
+    prompts = [B.BenchPrompt("c1", "chat", text="q"), B.BenchPrompt("c2", "chat", text="q")]
+    plain = B.RunConfig("plain", "none", None, 0)
+    mars = B.RunConfig("mars", "model", 0.9, "adaptive")
+    strict = B.RunConfig("strict", "model", None, "adaptive")
+    k4, k8 = B.RunConfig(B.PEER_SPEC, "model", None, 4), B.RunConfig(B.PEER_SPEC, "model", None, 8)
+    secs = {  # decode seconds of 10 tokens per prompt, per round (llama.cpp's k = 8 is fast in round 2)
+        plain: [1.0, 1.5, 1.0], mars: [0.4, 0.45, 0.45], strict: [0.5, 0.8, 0.5], k4: [0.5, 0.75, 0.55], k8: [0.6, 0.5, 0.6]}
+    rounds = {r: [[_s(list(range(10)), t), _s(list(range(10)), t)] for t in ts] for r, ts in secs.items()}
+    fastest = {r: [min((js[i] for js in rounds[r]), key=lambda x: x.time_decode_s) for i in range(2)] for r in rounds}
+    runs = [plain, mars, strict, k4, k8]
+    rows = {(r["method"], r["k"]): r for r in B.summarize(prompts, runs, fastest, rounds=rounds) if r["category"] == "all"}
+    m, st = rows["mars", "adaptive"], rows["strict", "adaptive"]
+    assert m["tokens_per_second_rounds"] == pytest.approx([25.0, 20 / 0.9, 20 / 0.9])
+    assert m["tokens_per_second_median"] == pytest.approx(20 / 0.9)
+    best = [20 / 1.0, 20 / 1.0, 20 / 1.1]  # llama.cpp's best rate per round: k = 4, k = 8, k = 4
+    assert m["vs_llama_spec_rounds"] == pytest.approx([25 / best[0], (20 / 0.9) / best[1], (20 / 0.9) / best[2]])
+    assert m["vs_llama_spec_median"] == pytest.approx((20 / 0.9) / best[2]) and m["vs_llama_spec_separable"]
+    assert st["vs_llama_spec_rounds"] == pytest.approx([1.0, 12.5 / 20, 20 / best[2]])  # 1.0, 0.63, 1.1
+    assert not st["vs_llama_spec_separable"]  # on both sides of 1.0: no figure
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, width=400).print(B.render_tables(list(rows.values()))[0])
+    lines = {line.split()[1]: line for line in out.getvalue().splitlines() if line.split()[1:2] in (["mars"], ["strict"])}
+    assert "1.22 (1.11–1.25)" in lines["mars"] and "~" not in lines["mars"]
+    assert "1.00 (0.62–1.10) ~" in lines["strict"]  # its cell is marked
+
+
 # ------------------------------------------------------------ llama.cpp stats
 SPEC_OUT = """
 encoded   25 tokens in    0.031 seconds, speed:  806.452 t/s
