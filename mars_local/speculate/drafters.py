@@ -229,7 +229,10 @@ class ModelDrafter(Drafter):
         return Draft(out, np.stack(probs) if sampled else None, keys)
 
     def observe(self, tokens: list[int], n_accepted: int) -> None:
-        self.ctx.truncate(common_prefix_len(self.ctx.tokens, tokens, start=self._base))
+        # the longest prefix of tokens[:-1] the cache holds: a draft trimmed after it was
+        # evaluated can equal the target's next token, and the new last token is never cached
+        keep = common_prefix_len(self.ctx.tokens, tokens, start=self._base)
+        self.ctx.truncate(min(keep, len(tokens) - 1))
 
 
 class MtpDrafter(ModelDrafter):
