@@ -37,12 +37,12 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from ..core.config import Chunk, GenerateConfig, Generation
+from ..core.config import GenerateConfig, Generation
 from .run import Run as _Run
 from ..core.errors import MarsError
 from ..core.verify import verify
@@ -50,94 +50,19 @@ from ..core.stats import SpecStats
 from ..core.tokens import common_prefix_len
 from ..llama.context import last_rides
 from ..llama.mtp import open_mtp
-from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, SeqView, exact_reuse
+from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, exact_reuse
 from .adaptive import expected_tokens
 from . import native
 from .batch_cost import BatchCost, DraftOrNot, choose_window
-from .lockstep import DraftSteps
+from .batch_stream import BatchStream, _Seq
+from .lockstep import draft_lockstep
 from .controls import Controls, StopScanner
 from .drafters import EMPTY_DRAFT, Draft
 from .grammar import GrammarState
 
-__all__ = ["Scheduler", "BatchStream"]
+__all__ = ["Scheduler", "BatchStream"]  # BatchStream: speculate/batch_stream.py
 
 CALIBRATION_ROWS = (1, 4, 16, 64)
-
-
-# ------------------------------------------------------------ sequences
-@dataclass
-class _Seq:
-    run: _Run
-    view: SeqView | None = None
-    dview: SeqView | None = None  # the draft model's cells, when it drafts
-    pending: list[int] = field(default_factory=list)  # prompt tokens still to prefill
-    ready: bool = False  # prompt prefilled, drafter begun: it decodes from the next round
-    chunks: collections.deque = field(default_factory=collections.deque)
-    done: bool = False
-    error: BaseException | None = None
-    t_start: float = 0.0
-
-
-class BatchStream(Iterator[Chunk]):
-    """The chunks of one sequence of a :class:`Scheduler` (iterating drives the scheduler)."""
-
-    def __init__(self, sched: "Scheduler", seq: _Seq):
-        self._sched, self._seq = sched, seq
-        self.stats: SpecStats = seq.run.stats
-        self.config: GenerateConfig = seq.run.cfg
-
-    def __iter__(self) -> "BatchStream":
-        return self
-
-    def __next__(self) -> Chunk:
-        s = self._seq
-        while not s.chunks:
-            if s.done:
-                if s.error is not None:
-                    err, s.error = s.error, None
-                    raise err
-                raise StopIteration
-            self._sched.step()
-        return s.chunks.popleft()
-
-    @property
-    def done(self) -> bool:
-        """Finished and every chunk read."""
-        return self._seq.done and not self._seq.chunks
-
-    @property
-    def finished(self) -> bool:
-        """The sequence has ended (chunks may still be unread)."""
-        return self._seq.done
-
-    def result(self) -> Generation:
-        """The whole generation (runs the scheduler until this sequence ends; chunks already
-        taken are not in it); raises the sequence's error."""
-        chunks = list(self)
-        lp = [x for c in chunks for x in (c.logprobs or [])] if self.config.logprobs else None
-        return Generation("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
-                          [x for c in chunks for x in c.kinds], self.stats, lp)
-
-    def take(self) -> list[Chunk]:
-        """The chunks made so far and not yet read, without driving the scheduler (a
-        server's worker steps it itself); raises the sequence's error once it has ended."""
-        s = self._seq
-        out = list(s.chunks)
-        s.chunks.clear()
-        if s.done and s.error is not None and not out:
-            err, s.error = s.error, None
-            raise err
-        return out
-
-    def close(self) -> None:
-        """Cancel: the sequence leaves before the next round (stop_reason "interrupted")."""
-        self._sched._cancel(self._seq)
-
-    def __enter__(self) -> "BatchStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class Scheduler:
@@ -311,7 +236,7 @@ class Scheduler:
                 s.run.stats.time_prompt_s = time.perf_counter() - s.t_start
                 s.ready = True
                 if rides and first is not None:  # a round without a draft on the prompt's last row
-                    self._guard(s, lambda: self._finish_round(s, EMPTY_DRAFT, first, 0.0, 0.0, k=None))
+                    self._guard(s, lambda: self._finish_round(s, EMPTY_DRAFT, first, 0.0, 0.0, from_prompt=True))
             if budget <= 0:
                 return
 
@@ -439,29 +364,10 @@ class Scheduler:
                 d = self._guard(s, lambda: self._propose(s, cap))
                 drafts.append(d if d is not None else EMPTY_DRAFT)
         if lockstep:
-            got = self._draft_lockstep([seqs[i] for i in lockstep], [caps[i] for i in lockstep])
+            got = draft_lockstep(self.dmc, [seqs[i] for i in lockstep], [caps[i] for i in lockstep], self._guard)
             for i, d in zip(lockstep, got):
                 drafts[i] = d
         return drafts
-
-    def _draft_lockstep(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
-        steps = [DraftSteps(s) for s in seqs]
-        live = [st for st, cap in zip(steps, caps) if cap > 0 and st.s.run.cfg.draft_max > 0 and not st.s.done]
-        for st, cap in zip(steps, caps):
-            st.k = cap
-        # catch up: the tokens the draft cache lacks, the last one included (any lengths: unified cache)
-        windows = [(st.s.dview.seq_id, st.s.run.tokens[st.s.dview.n_past:]) for st in live]
-        rows = self.dmc.decode_windows(windows, max_rows=self.dmc.n_batch, last_only=True) if live else []
-        while live:
-            nxt = []
-            for st, z in zip(live, rows):
-                if self._guard(st.s, lambda: st.push(z[0])):
-                    nxt.append(st)
-            live = nxt
-            if live:
-                rows = self.dmc.decode_windows([(st.s.dview.seq_id, [st.out[-1]]) for st in live],
-                                               max_rows=self.dmc.n_batch, last_only=True)
-        return [st.draft() for st in steps]
 
     def _propose(self, s: _Seq, k_cap: int) -> Draft:
         """Up to k_cap draft tokens (the round's k cuts them)."""
@@ -487,9 +393,9 @@ class Scheduler:
         return choose_window(accepts, self.cost.costs(prior), min(longest, k_room))
 
     def _finish_round(self, s: _Seq, d: Draft, z: np.ndarray, t_target: float, t_draft: float,
-                      k: int | None = -1) -> None:
-        """Verify one sequence's rows ``z`` of the round's decode and emit its tokens; ``k`` None:
-        the first token, from the prompt's last row (no round)."""
+                      from_prompt: bool = False) -> None:
+        """Verify one sequence's rows ``z`` of the round's decode and emit its tokens;
+        ``from_prompt``: the first token, from the prompt's last row (no round)."""
         run, eng = s.run, self.eng
         logits = z[: len(d) + 1]
         base = s.view.n_past - z.shape[0]  # == len(tokens) - 1
@@ -511,7 +417,7 @@ class Scheduler:
             keys = d.keys if d.keys is not None else [None] * len(d)
             for i in range(min(res.n_accepted + 1, len(d))):
                 run.ctrl.observe_shadow(i < res.n_accepted, keys[i])
-        chunk = s.run.emit(s.view, self.eng.target, None if k is None else len(d), res)
+        chunk = s.run.emit(s.view, self.eng.target, None if from_prompt else len(d), res)
         if chunk is not None:
             s.chunks.append(chunk)
         if stats.stop_reason in ("eog", "stop", "length", "context"):

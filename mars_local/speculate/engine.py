@@ -33,6 +33,7 @@ from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream
 from .run import Run as _Run
+from .target_access import TargetAccess
 from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from ..llama.rpc import placement
@@ -55,7 +56,7 @@ def _checked_template(chat_template: str | None) -> str | None:
     return chat_template
 
 
-class Engine:
+class Engine(TargetAccess):
     """A loaded target (and optional draft) model, ready to generate many times.
 
     The Engine owns every llama.cpp context it uses (target and draft); what
@@ -141,149 +142,6 @@ class Engine:
             raise MarsError("the draft is a recurrent/hybrid model whose cache cannot be rolled back")
         check_vocab_compatible(self.target, self.draft_model)
         self._draft_ctx = Context(self.draft_model, n_ctx=self._ctx.n_ctx, **ctx_opts)
-
-    # ------------------------------------------------------------ the models
-    @property
-    def n_ctx(self) -> int:
-        """The context size in use (llama.cpp rounds a requested size up to a multiple of 256)."""
-        return self._ctx.n_ctx
-
-    @property
-    def n_threads(self) -> int:
-        """The CPU threads the target decodes with (-t, or the physical cores)."""
-        return self._ctx.n_threads
-
-    @property
-    def n_ctx_requested(self) -> int:
-        """The context size asked for (n_ctx=0 asks for the training context)."""
-        return self._ctx.n_ctx_requested
-
-    @property
-    def n_ctx_train(self) -> int:
-        """The target's training context; a larger n_ctx works but may degrade output."""
-        return self.target.n_ctx_train
-
-    @property
-    def eog_ids(self) -> tuple[int, ...]:
-        """The target's end-of-generation token ids."""
-        return self.target.eog_ids
-
-    @property
-    def has_chat_template(self) -> bool:
-        """Whether :meth:`chat_prompt` has a template: the Engine's chat_template, or the GGUF's own."""
-        return self._chat_template_arg is not None or bool(self.target.chat_template())
-
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True, *,
-                 max_tokens: int | None = None, cancelled: Callable[[], bool] | None = None) -> list[int]:
-        """Token ids of ``text``.  With ``max_tokens``, a text of more tokens raises
-        :class:`~mars_local.chat.tokens.PromptTooLong` as soon as that is known, in time
-        linear in the text (``cancelled``, asked along the way, raises
-        :class:`~mars_local.chat.tokens.TokenizingCancelled`); the ids are the same."""
-        if max_tokens is None and cancelled is None:
-            return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
-        from ..chat.tokens import tokenize_text
-
-        return tokenize_text(self.target, text, add_special=add_special, parse_special=parse_special,
-                             max_tokens=max_tokens, cancelled=cancelled)
-
-    def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
-        return self.target.detokenize(tokens, special=special)
-
-    def piece(self, token: int, special: bool = False) -> bytes:
-        """The UTF-8 bytes of one token (a piece of a character, possibly)."""
-        return self.target.piece(token, special=special)
-
-    def chat_prompt(self, messages: Sequence[dict], *, max_tokens: int | None = None,
-                    cancelled: Callable[[], bool] | None = None) -> list[int]:
-        """Token ids of ``messages`` rendered with the target's own chat template.
-
-        The GGUF ``tokenizer.chat_template`` is rendered in a bounded Jinja2
-        sandbox with llama-cpp-python's semantics (the generation prompt for
-        the assistant's turn appended); control tokens are parsed in the
-        template's markup only, never in message text (see
-        :mod:`mars_local.chat.template`).  Every failure is one MarsError.
-        ``max_tokens`` and ``cancelled`` bound the work as in :meth:`tokenize`.
-        """
-        from ..chat.session import check_messages
-        from ..chat.tokens import tokenize_chat
-
-        check_messages(list(messages), roles=None)  # the template decides which roles it knows
-        return tokenize_chat(self._chat_template(), self.target, list(messages), max_tokens=max_tokens,
-                             cancelled=cancelled)
-
-    def _chat_template(self):
-        """The Engine's chat_template (a llama.cpp built-in's name or Jinja
-        text), else the GGUF's own; MarsError when there is none."""
-        from ..chat.builtin import make_chat_template
-
-        if self._chat_formatter is None:
-            self._chat_formatter = make_chat_template(self.target, Path(self.target.path).name,
-                                                      self._chat_template_arg)
-        return self._chat_formatter
-
-    def _token_ids(self, tokens: Sequence[int]) -> list[int]:
-        toks = [int(t) for t in tokens]
-        bad = [t for t in toks if not 0 <= t < self.target.n_vocab]
-        if bad:
-            raise MarsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
-        return toks
-
-    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
-        toks = self.tokenize(prompt) if isinstance(prompt, str) else self._token_ids(prompt)
-        if not toks:
-            raise MarsError("the prompt is empty")
-        if len(toks) >= self.n_ctx:
-            asked = f" (asked for {self.n_ctx_requested})" if self.n_ctx_requested != self.n_ctx else ""
-            raise MarsError(
-                f"the prompt is {len(toks)} tokens but the context holds {self.n_ctx}{asked}; "
-                "use a larger -c or a shorter prompt"
-            )
-        return toks
-
-    # ------------------------------------------------------ teacher forcing
-    def _forward(self, tokens: Sequence[int], n_rows: int) -> Iterator[tuple[int, np.ndarray]]:
-        """Evaluate ``tokens`` in the target; yield (i, rows) for the last
-        ``n_rows`` positions, a batch at a time (views, valid until the next
-        one).  The cache holds ``tokens[:-n_rows]`` afterwards (a prefix the
-        next call or generation reuses)."""
-        self._check_idle()
-        toks = self._token_ids(tokens)
-        if not 1 <= n_rows <= len(toks):
-            raise ValueError(f"n_rows must be in 1..{len(toks)}, got {n_rows}")
-        ctx, keep = self._ctx, len(toks) - n_rows
-        ctx.sync(toks[:keep])
-        try:
-            for i in range(0, n_rows, ctx.n_batch):
-                chunk = toks[keep + i : keep + i + ctx.n_batch]
-                yield i, ctx.eval(chunk, n_out=len(chunk))
-        finally:
-            ctx.truncate(keep)
-
-    def logits(self, tokens: Sequence[int], n_rows: int = 1) -> np.ndarray:
-        """The target's logits (an (n_rows, n_vocab) float32 copy) for the last
-        ``n_rows`` positions of ``tokens``: row i predicts the token after
-        ``tokens[len(tokens) - n_rows + i]``.  Not during a generation."""
-        out = np.empty((n_rows, self.target.n_vocab), dtype=np.float32)
-        for i, z in self._forward(tokens, n_rows):
-            out[i : i + len(z)] = z
-        return out
-
-    def score_nll(self, prompt: Sequence[int], continuation: Sequence[int]) -> np.ndarray:
-        """Per-token negative log-likelihood (nats, at T = 1) of ``continuation``
-        following ``prompt`` under the target, in batches of rows; the prompt
-        stays cached (minus its last token) for the next call or generation."""
-        prompt, cont = self._token_ids(prompt), self._token_ids(continuation)
-        if not cont:
-            return np.zeros(0)
-        if not prompt:
-            raise MarsError("the prompt is empty")
-        out = np.empty(len(cont))
-        for i, z in self._forward(prompt + cont[:-1], len(cont)):
-            z = np.asarray(z, dtype=np.float64)
-            zmax = z.max(axis=1)
-            lse = zmax + np.log(np.exp(z - zmax[:, None]).sum(axis=1))
-            out[i : i + len(z)] = lse - z[np.arange(len(z)), cont[i : i + len(z)]]
-        return out
 
     # ---------------------------------------------------------- generation
     def stream(self, prompt: str | Sequence[int], config: GenerateConfig | None = None, **options) -> Stream:

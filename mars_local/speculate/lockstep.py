@@ -1,5 +1,6 @@
 """A draft model's draft for one sequence of a batch, a token at a time, on rows the scheduler
-decodes for every sequence at once (one draft forward per step)."""
+decodes for every sequence at once (one draft forward per step): :class:`DraftSteps`, and
+:func:`draft_lockstep` drafting for all."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from ..core.sampling import position_uniforms, probabilities, sample_from, top_p
 from .adaptive import confidence_key
 from .drafters import EMPTY_DRAFT, Draft
 
-__all__ = ["DraftSteps"]
+__all__ = ["DraftSteps", "draft_lockstep"]
 
 
 class DraftSteps:
@@ -60,3 +61,26 @@ class DraftSteps:
         if len(self.out) < n_min:
             return EMPTY_DRAFT
         return Draft(self.out, np.stack(self.probs) if self.sampled else None, self.keys)
+
+
+def draft_lockstep(dmc, seqs, caps: list[int], guard) -> list[Draft]:
+    """Every sequence's draft (at most ``caps[i]`` tokens), one decode of the draft context ``dmc``
+    per step carrying one row of every sequence still drafting; ``guard(s, fn)`` runs one
+    sequence's step, its failure ending that sequence only."""
+    steps = [DraftSteps(s) for s in seqs]
+    live = [st for st, cap in zip(steps, caps) if cap > 0 and st.s.run.cfg.draft_max > 0 and not st.s.done]
+    for st, cap in zip(steps, caps):
+        st.k = cap
+    # catch up: the tokens the draft cache lacks, the last one included (any lengths: unified cache)
+    windows = [(st.s.dview.seq_id, st.s.run.tokens[st.s.dview.n_past:]) for st in live]
+    rows = dmc.decode_windows(windows, max_rows=dmc.n_batch, last_only=True) if live else []
+    while live:
+        nxt = []
+        for st, z in zip(live, rows):
+            if guard(st.s, lambda: st.push(z[0])):
+                nxt.append(st)
+        live = nxt
+        if live:
+            rows = dmc.decode_windows([(st.s.dview.seq_id, [st.out[-1]]) for st in live],
+                                      max_rows=dmc.n_batch, last_only=True)
+    return [st.draft() for st in steps]
