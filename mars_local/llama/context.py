@@ -44,6 +44,16 @@ def last_rides(n_rest: int, n_batch: int, inv: int = MAX_INVARIANT_ROWS) -> bool
     return final + 1 <= inv
 
 
+def hidden_rows(ctx):
+    """Make llama_context ``ctx`` output the trunk's last hidden row of every batch row (in batch
+    order; the llama-ext.h bindings of the pinned release); the function giving the last
+    decode's rows (a pointer to n_tokens x n_embd floats)."""
+    from llama_cpp import llama_cpp_ext
+
+    llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)  # every row, not only output rows
+    return llama_cpp_ext.llama_get_embeddings_nextn
+
+
 def available_memory() -> int | None:
     """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
     try:
@@ -216,10 +226,7 @@ class Context(OwnsContext):
     def capture_hidden(self, n_embd: int) -> None:
         """Keep the trunk's last hidden row of every position this context evaluates (``hidden[p]``,
         the state before the output norm that an MTP layer reads): what llama/mtp.py feeds its rows."""
-        from llama_cpp import llama_cpp_ext  # the llama-ext.h bindings of the pinned release
-
-        llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, False)  # every row, not only output rows
-        self._get_hidden = llama_cpp_ext.llama_get_embeddings_nextn
+        self._get_hidden = hidden_rows(self._ctx)
         self.hidden = np.zeros((self.n_ctx, n_embd), np.float32)
 
     def _decode(self, tokens, n_out: int) -> None:

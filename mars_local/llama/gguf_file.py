@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..core.errors import MarsError
@@ -75,11 +76,11 @@ class _Reader:
         return bytes(self.buf[start:self.pos])
 
 
-def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
-    """(bytes the header says the file holds, bytes it has), from the header
-    alone (memory-mapped: only the header's pages are read).  None when the
-    header uses something this parser does not know (then llama.cpp decides).
-    Raises _Short when the file ends inside the header."""
+@contextmanager
+def _header(path: Path):
+    """``path``'s header memory-mapped (only its pages are read): (a reader past the counts,
+    n_tensors, n_kv), or None for a GGUF version this parser does not know.  Raises _Short when
+    the file ends inside the header, OSError when it cannot be read."""
     size = path.stat().st_size
     with path.open("rb") as fh:
         if size < 24:
@@ -87,10 +88,24 @@ def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
         buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     try:
         r = _Reader(buf, size)
-        version = r.take("<I")
-        if version not in (2, 3):
+        if r.take("<I") not in (2, 3):
+            yield None
+        else:
+            n_tensors, n_kv = r.take("<QQ")
+            yield r, n_tensors, n_kv
+    finally:
+        buf.close()
+
+
+def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
+    """(bytes the header says the file holds, bytes it has), from the header
+    alone (memory-mapped: only the header's pages are read).  None when the
+    header uses something this parser does not know (then llama.cpp decides).
+    Raises _Short when the file ends inside the header."""
+    with _header(path) as h:
+        if h is None:
             return None
-        n_tensors, n_kv = r.take("<QQ")
+        r, n_tensors, n_kv = h
         if n_tensors > 1 << 20 or n_kv > 1 << 20:
             return None  # not a header this check can judge cheaply
         alignment = _read_metadata(r, n_kv)
@@ -98,37 +113,20 @@ def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
         if end is None:
             return None
         data_start = -(-r.pos // alignment) * alignment
-        return data_start + end, size
-    finally:
-        buf.close()
+        return data_start + end, r.size
 
 
 def gguf_metadata(path: Path) -> dict[str, int | str]:
     """The scalar and string values of a GGUF file's metadata (arrays left out), from its header
     alone, before llama.cpp loads it (e.g. ``general.architecture``, ``<arch>.nextn_predict_layers``);
     {} when the header is one this parser cannot read."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            if size < 24:
-                return {}
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError):
-        return {}
     values: dict[str, int | str] = {}
     try:
-        r = _Reader(buf, size)
-        if r.take("<I") not in (2, 3):
-            return {}
-        _, n_kv = r.take("<QQ")
-        if n_kv > 1 << 20:
-            return {}
-        _read_metadata(r, n_kv, values)
-    except (_Short, struct.error):
+        with _header(Path(path)) as h:
+            if h is not None and h[2] <= 1 << 20:
+                _read_metadata(h[0], h[2], values)
+    except (OSError, ValueError, _Short, struct.error):
         pass
-    finally:
-        buf.close()
     return values
 
 

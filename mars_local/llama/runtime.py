@@ -179,7 +179,6 @@ class Model:
             reason = _last_llama_error()
             raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
         self.path = str(p)
-        self.load_mtp = bool(load_mtp)
         self.offloaded = can_offload and n_gpu_layers != 0
         self.vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))

@@ -46,7 +46,7 @@ import numpy as np
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
-from .context import MAX_INVARIANT_ROWS, OwnsContext, context_params, create_context
+from .context import MAX_INVARIANT_ROWS, OwnsContext, context_params, create_context, hidden_rows
 from .runtime import Model
 
 __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView", "exact_reuse"]
@@ -143,10 +143,7 @@ class MultiContext(OwnsContext):
     def capture_hidden(self, n_embd: int) -> None:
         """Keep every sequence's last hidden row of each position it evaluates (``SeqView.hidden[p]``,
         what an MTP layer reads, llama/mtp.py); (n_ctx, n_embd) float32 per sequence."""
-        from llama_cpp import llama_cpp_ext  # the llama-ext.h bindings of the pinned release
-
-        llama_cpp_ext.llama_set_embeddings_nextn(self._ctx, True, False)  # every row, in batch order
-        self._get_hidden = llama_cpp_ext.llama_get_embeddings_nextn
+        self._get_hidden = hidden_rows(self._ctx)
         for v in self.seqs:
             v.hidden = np.zeros((self.n_ctx, n_embd), np.float32)
 

@@ -256,16 +256,13 @@ class Engine(TargetAccess):
             chunk = self._first_token(run, verify_window, first)
             if chunk is not None:
                 yield chunk
-            if stats.stop_reason:
-                tail = run.tail()
-                if tail is not None:
-                    yield tail
-                return
-        self._begin_drafting(run)
+        if not stats.stop_reason:  # (the first token may have ended the generation)
+            self._begin_drafting(run)
         # Invariant at the top of every round: the target cache holds exactly
         # tokens[:-1]; the draft cache (a draft model's) holds a prefix of
         # tokens[:-1] (the drafter evaluates the rest when it next proposes).
-        while (k_cap := run.draft_cap(self._ctx, self._k_limit)) is not None:
+        # A stop reason set by a round ends the loop.
+        while not stats.stop_reason and (k_cap := run.draft_cap(self._ctx, self._k_limit)) is not None:
             t0 = clock()
             draft, shadow, drafted = run.choose_draft(k_cap)
             # draft cache: tokens + d_0 .. d_{k-2} at most (the last draft is never evaluated)
@@ -295,8 +292,6 @@ class Engine(TargetAccess):
             chunk = run.emit(self._ctx, self.target, len(draft), res)
             if chunk is not None:
                 yield chunk
-            if stats.stop_reason in ("eog", "stop"):
-                break
         tail = run.tail()
         if tail is not None:
             yield tail
