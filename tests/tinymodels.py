@@ -63,10 +63,12 @@ def make_tiny_llama(
     chat_template: str | None = CHATML,
     eos_id: int = 2,
     token_suffix: str = "",
+    block_scale: float = 0.3,
 ) -> Path:
     """Write a random model; the same seed with out_noise > 0 makes a 'draft'
     that agrees with the seed's model part of the time.  token_suffix changes
-    token texts (to build a vocabulary-mismatched pair)."""
+    token texts (to build a vocabulary-mismatched pair).  A small block_scale makes the
+    model close to a bigram model of its embeddings."""
     rng = np.random.default_rng(seed)
     hd = n_embd // n_head
     w = gguf.GGUFWriter(str(path), "llama")
@@ -90,14 +92,14 @@ def make_tiny_llama(
     w.add_tensor("token_embd.weight", r(n_vocab, n_embd, scale=1.0))
     for b in range(n_layer):
         w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(f"blk.{b}.attn_q.weight", r(n_head * hd, n_embd, scale=0.3))
-        w.add_tensor(f"blk.{b}.attn_k.weight", r(n_head_kv * hd, n_embd, scale=0.3))
-        w.add_tensor(f"blk.{b}.attn_v.weight", r(n_head_kv * hd, n_embd, scale=0.3))
-        w.add_tensor(f"blk.{b}.attn_output.weight", r(n_embd, n_head * hd, scale=0.3))
+        w.add_tensor(f"blk.{b}.attn_q.weight", r(n_head * hd, n_embd, scale=block_scale))
+        w.add_tensor(f"blk.{b}.attn_k.weight", r(n_head_kv * hd, n_embd, scale=block_scale))
+        w.add_tensor(f"blk.{b}.attn_v.weight", r(n_head_kv * hd, n_embd, scale=block_scale))
+        w.add_tensor(f"blk.{b}.attn_output.weight", r(n_embd, n_head * hd, scale=block_scale))
         w.add_tensor(f"blk.{b}.ffn_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(f"blk.{b}.ffn_gate.weight", r(n_ff, n_embd, scale=0.3))
-        w.add_tensor(f"blk.{b}.ffn_up.weight", r(n_ff, n_embd, scale=0.3))
-        w.add_tensor(f"blk.{b}.ffn_down.weight", r(n_embd, n_ff, scale=0.3))
+        w.add_tensor(f"blk.{b}.ffn_gate.weight", r(n_ff, n_embd, scale=block_scale))
+        w.add_tensor(f"blk.{b}.ffn_up.weight", r(n_ff, n_embd, scale=block_scale))
+        w.add_tensor(f"blk.{b}.ffn_down.weight", r(n_embd, n_ff, scale=block_scale))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
     out_w = r(n_vocab, n_embd, scale=out_scale)
     if out_noise:
@@ -184,6 +186,89 @@ def make_tiny_mimo2(
         w.add_tensor(f"blk.{b}.nextn.hnorm.weight", np.ones(n_embd, np.float32))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
     w.add_tensor("output.weight", r(n_vocab, n_embd, scale=1.0))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def make_tiny_eagle3(
+    path: Path,
+    *,
+    target_layers: tuple[int, int, int] = (0, 1, 2),
+    reads: str = "token",
+    n_vocab: int = 384,
+    n_draft_vocab: int | None = None,
+    n_embd: int = 64,
+    target_embd: int = 64,
+    n_head: int = 4,
+    n_ff: int = 128,
+    n_ctx: int = 1024,
+    seed: int = 0,
+    attn_gain: float = 3.0,
+) -> Path:
+    """An EAGLE-3 head (architecture ``eagle3``, one decoder layer; ``../shared/notes/mtp-eagle3.md``)
+    for a tiny llama target of width ``target_embd``, sharing its embeddings and output matrix.
+
+    ``reads="token"``: the decoder attends (sharply, q = k = ``attn_gain`` x the normed token
+    embedding) to its own row's token and passes that embedding on, the fused features only
+    adding a little: for a target close to a bigram model (``make_tiny_llama(block_scale=0.05)``)
+    the head predicts what the target will, part of the time.  ``reads="feature0"`` /
+    ``"feature2"``: no attention, no FFN, fc passes the first / third feature block through, so
+    the head's logits are the target's output matrix on that feature row (the feed's test: with
+    feature 2 the target's last hidden row, the first draft repeats the target's prediction at
+    the row's position).  ``n_draft_vocab``: a smaller draft vocabulary (its own output matrix,
+    the target's ids of its tokens in ``d2t``: every other third token)."""
+    rng = np.random.default_rng(seed)
+    hd = n_embd // n_head
+    w = gguf.GGUFWriter(str(path), "eagle3")
+    w.add_name("tiny-test-eagle3")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(1)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_array("eagle3.target_layers", [int(i) for i in target_layers])  # int32 (the gguf wheel lacks a helper)
+    w.add_uint32("eagle3.target_hidden_size", target_embd)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_vocab(w, n_vocab, "", 2, None)
+
+    def r(*shape, scale=0.02):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    eye = np.eye(n_embd, dtype=np.float32)
+    zero = np.zeros((n_embd, n_embd), np.float32)
+    if reads == "token":
+        fc = r(n_embd, 3 * target_embd, scale=0.01)
+        qk = np.concatenate([attn_gain * eye, zero], axis=1)  # (n_embd, 2 n_embd): the token's half
+        v, wo, ffn = np.concatenate([eye, zero], axis=1), 4.0 * eye, 0.02
+    else:
+        block = {"feature0": 0, "feature2": 2}[reads]
+        fc = np.zeros((n_embd, 3 * target_embd), np.float32)
+        fc[:, block * target_embd:(block + 1) * target_embd] = np.eye(n_embd, target_embd, dtype=np.float32)
+        qk = v = np.zeros((n_embd, 2 * n_embd), np.float32)
+        wo, ffn = zero, 0.0
+    w.add_tensor("fc.weight", fc)
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("blk.0.attn_norm_2.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("blk.0.attn_q.weight", qk)
+    w.add_tensor("blk.0.attn_k.weight", qk)
+    w.add_tensor("blk.0.attn_v.weight", v)
+    w.add_tensor("blk.0.attn_output.weight", wo)
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("blk.0.ffn_gate.weight", r(n_ff, n_embd, scale=ffn))
+    w.add_tensor("blk.0.ffn_up.weight", r(n_ff, n_embd, scale=ffn))
+    w.add_tensor("blk.0.ffn_down.weight", r(n_embd, n_ff, scale=ffn))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    if n_draft_vocab:
+        ids = np.arange(0, 3 * n_draft_vocab, 3, dtype=np.int64)[:n_draft_vocab]
+        w.add_tensor("d2t", ids)
+        w.add_tensor("output.weight", r(n_draft_vocab, n_embd, scale=1.0))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

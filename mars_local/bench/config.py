@@ -47,7 +47,7 @@ class RunConfig:
 
 @dataclass
 class BenchSettings:
-    """What to run.  ``drafters`` are our drafters ("ngram", "model", "mtp")."""
+    """What to run.  ``drafters`` are our drafters ("ngram", "model", "mtp", "eagle3")."""
 
     target: Path
     draft: Path | None = None

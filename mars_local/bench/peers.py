@@ -197,6 +197,11 @@ class LlamaCppBinaryPeer:
                     raise MarsError(f"{self.binary.name} cannot draft with MTP layers (no --spec-type draft-mtp): "
                                     "an older llama.cpp")
                 a += ["--spec-type", "draft-mtp"]
+            elif self.drafter == "eagle3":  # the EAGLE-3 head as llama.cpp's draft model (draft-eagle3)
+                if not self._has("draft-eagle3"):
+                    raise MarsError(f"{self.binary.name} cannot draft with an EAGLE-3 head (no --spec-type "
+                                    "draft-eagle3): an older llama.cpp")
+                a += ["-md", str(s.draft), "--spec-type", "draft-eagle3"]
             elif self.drafter == "model":
                 a += ["-md", str(s.draft)]
                 if s.n_gpu_layers_draft is not None:

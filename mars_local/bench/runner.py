@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
+from ..core.choices import FILE_DRAFTERS
 from ..core.errors import MarsError
 from .config import PEER_COMPLETION, PEER_LCP, PEER_SPEC, BenchResult, BenchSettings, RunConfig, Sample, plan_runs
 from .metrics import task_score, unavailable_metrics, unscored_note
@@ -115,7 +116,7 @@ class _Bench:
         s = self.s
         for d in s.drafters:
             self.engines[d] = Engine(
-                s.target, s.draft if d == "model" else None, drafter=d, n_ctx=s.n_ctx,
+                s.target, s.draft if d in FILE_DRAFTERS else None, drafter=d, n_ctx=s.n_ctx,
                 n_gpu_layers=s.n_gpu_layers, n_gpu_layers_draft=s.n_gpu_layers_draft, n_threads=s.n_threads,
                 ngram_max=s.ngram_max, rpc=s.rpc or None, rpc_draft=s.rpc_draft, tensor_split=s.tensor_split,
             )

@@ -13,15 +13,19 @@ from typing import Literal, get_args
 
 from .errors import MarsError
 
-__all__ = ["VerifyMethod", "VERIFY_METHODS", "DrafterKind", "DRAFTERS", "BENCH_DRAFTERS", "DraftSampling",
+__all__ = ["VerifyMethod", "VERIFY_METHODS", "DrafterKind", "DRAFTERS", "BENCH_DRAFTERS", "FILE_DRAFTERS", "HEAD_DRAFTERS", "DraftSampling",
            "DRAFT_SAMPLINGS", "one_of", "choice", "drafter_for"]
 
 VerifyMethod = Literal["strict", "mars"]
 VERIFY_METHODS: tuple[VerifyMethod, ...] = get_args(VerifyMethod)
 
-DrafterKind = Literal["model", "ngram", "mtp", "none"]
+DrafterKind = Literal["model", "ngram", "mtp", "eagle3", "none"]
 DRAFTERS: tuple[DrafterKind, ...] = get_args(DrafterKind)
-BENCH_DRAFTERS: tuple[DrafterKind, ...] = ("ngram", "model", "mtp")  # what `mars bench` compares (plain always runs)
+BENCH_DRAFTERS: tuple[DrafterKind, ...] = ("ngram", "model", "mtp", "eagle3")  # what `mars bench` compares (plain always runs)
+# drafters that read the -md file: a draft model, or an EAGLE-3 head (which reads the target's rows too)
+FILE_DRAFTERS: tuple[DrafterKind, ...] = ("model", "eagle3")
+# drafters reading the target's own rows (its MTP layers, an EAGLE-3 head): llama/mtp.py, llama/eagle3.py
+HEAD_DRAFTERS: tuple[DrafterKind, ...] = ("mtp", "eagle3")
 
 DraftSampling = Literal["greedy", "sample"]
 DRAFT_SAMPLINGS: tuple[DraftSampling, ...] = get_args(DraftSampling)
@@ -48,6 +52,8 @@ def drafter_for(drafter: DrafterKind | None, has_draft: bool) -> DrafterKind:
     choice(drafter, DRAFTERS, "drafter")
     if drafter == "model" and not has_draft:
         raise MarsError("the model drafter needs a draft model (-md DRAFT.gguf)", field="drafter")
-    if drafter != "model" and has_draft:
+    if drafter == "eagle3" and not has_draft:
+        raise MarsError("the eagle3 drafter needs the target's EAGLE-3 head (-md HEAD.gguf)", field="drafter")
+    if drafter not in FILE_DRAFTERS and has_draft:
         raise MarsError(f"a draft model was given but the drafter is {drafter!r}", field="drafter")
     return drafter

@@ -44,14 +44,15 @@ def last_rides(n_rest: int, n_batch: int, inv: int = MAX_INVARIANT_ROWS) -> bool
     return final + 1 <= inv
 
 
-def hidden_rows(ctx):
+def hidden_rows(ctx, n_embd: int):
     """Make llama_context ``ctx`` output the trunk's last hidden row of every batch row (in batch
     order; the llama-ext.h bindings of the pinned release); the function giving the last
-    decode's rows (a pointer to n_tokens x n_embd floats)."""
+    decode's n rows (an (n, n_embd) view, valid until the next decode)."""
     from llama_cpp import llama_cpp_ext
 
     llama_cpp_ext.llama_set_embeddings_nextn(ctx, True, False)  # every row, not only output rows
-    return llama_cpp_ext.llama_get_embeddings_nextn
+    get = llama_cpp_ext.llama_get_embeddings_nextn
+    return lambda n: np.ctypeslib.as_array(get(ctx), shape=(n, n_embd))
 
 
 def available_memory() -> int | None:
@@ -223,11 +224,13 @@ class Context(OwnsContext):
     def n_past(self) -> int:
         return len(self.tokens)
 
-    def capture_hidden(self, n_embd: int) -> None:
-        """Keep the trunk's last hidden row of every position this context evaluates (``hidden[p]``,
-        the state before the output norm that an MTP layer reads): what llama/mtp.py feeds its rows."""
-        self._get_hidden = hidden_rows(self._ctx)
-        self.hidden = np.zeros((self.n_ctx, n_embd), np.float32)
+    def capture_hidden(self, width: int, read=None) -> None:
+        """Keep a row of ``width`` floats per position this context evaluates (``hidden[p]``):
+        ``read(n_rows)`` gives them for the last decode's rows (default: the trunk's last hidden
+        rows, the state before the output norm that an MTP layer reads, llama/mtp.py; an EAGLE-3
+        head's encoded features, llama/eagle3.py)."""
+        self._read_hidden = read or hidden_rows(self._ctx, width)
+        self.hidden = np.zeros((self.n_ctx, width), np.float32)
 
     def _decode(self, tokens, n_out: int) -> None:
         if not self._ctx:
@@ -248,8 +251,7 @@ class Context(OwnsContext):
                 raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
             raise RuntimeError(f"llama_decode failed with code {rc}")
         if self.hidden is not None:
-            rows = np.ctypeslib.as_array(self._get_hidden(self._ctx), shape=(n, self.hidden.shape[1]))
-            self.hidden[start:start + n] = rows
+            self.hidden[start:start + n] = self._read_hidden(n)
         self.tokens.extend(int(t) for t in tokens)
 
     def logits(self, n_rows: int) -> np.ndarray:

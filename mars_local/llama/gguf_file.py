@@ -44,6 +44,7 @@ _GGML_BLOCKS = {
 }
 # GGUF metadata value types -> fixed size in bytes (8: string, 9: array)
 _GGUF_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_INTS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})  # the integer types
 
 
 class _Short(Exception):
@@ -116,15 +117,20 @@ def _gguf_tensor_extent(path: Path) -> tuple[int, int] | None:
         return data_start + end, r.size
 
 
-def gguf_metadata(path: Path) -> dict[str, int | str]:
-    """The scalar and string values of a GGUF file's metadata (arrays left out), from its header
-    alone, before llama.cpp loads it (e.g. ``general.architecture``, ``<arch>.nextn_predict_layers``);
-    {} when the header is one this parser cannot read."""
-    values: dict[str, int | str] = {}
+def gguf_metadata(path: Path, tensors: bool = False) -> dict:
+    """The integer and string values of a GGUF file's metadata (integer arrays of up to 64 values
+    as tuples, other arrays left out), from its header alone, before llama.cpp loads it (e.g.
+    ``general.architecture``, ``<arch>.nextn_predict_layers``, ``eagle3.target_layers``); {} when
+    the header is one this parser cannot read.  ``tensors``: also the tensors' names, as the
+    set under the key ``"tensors"``."""
+    values: dict = {}
     try:
         with _header(Path(path)) as h:
-            if h is not None and h[2] <= 1 << 20:
-                _read_metadata(h[0], h[2], values)
+            if h is not None and h[1] <= 1 << 20 and h[2] <= 1 << 20:
+                names: list[str] = []
+                if _read_metadata(h[0], h[2], values) is not None and tensors:
+                    _read_tensor_infos(h[0], h[1], names)
+                    values["tensors"] = set(names)
     except (OSError, ValueError, _Short, struct.error):
         pass
     return values
@@ -144,6 +150,12 @@ def _read_metadata(r: _Reader, n_kv: int, values: dict | None = None) -> int | N
             atype, n = r.take("<IQ")
             if n > 1 << 26:
                 return None
+            if values is not None and atype in _GGUF_INTS and n <= 64:  # a short integer array
+                fmt = "<" + {1: "b", 2: "h", 4: "i", 8: "q"}[_GGUF_SCALAR[atype]]
+                if atype in (0, 2, 4, 10):
+                    fmt = fmt.upper()
+                values[key.decode("utf-8", "replace")] = tuple(r.take(fmt) for _ in range(n))
+                continue
             if atype == 8:
                 for _ in range(n):
                     r.skip(r.take("<Q"))
@@ -167,12 +179,15 @@ def _read_metadata(r: _Reader, n_kv: int, values: dict | None = None) -> int | N
     return alignment
 
 
-def _read_tensor_infos(r: _Reader, n_tensors: int) -> int | None:
+def _read_tensor_infos(r: _Reader, n_tensors: int, names: list | None = None) -> int | None:
     """Past the ``n_tensors`` tensor infos; the end of their data, from the data section's start
-    (None: a tensor type or shape this parser does not know)."""
+    (None: a tensor type or shape this parser does not know).  ``names``: filled with the
+    tensors' names."""
     end = 0
     for _ in range(n_tensors):
-        r.skip(r.take("<Q"))  # name
+        name = r.string()
+        if names is not None:
+            names.append(name.decode("utf-8", "replace"))
         n_dims = r.take("<I")
         if n_dims > 8:
             return None

@@ -115,16 +115,15 @@ class MtpContext(MultiContext):
         for j in range(len(out)):
             out[j] = view.input_row(start + j)
 
-    def _decoded(self, parts, n_rows: int) -> None:
+    def _decoded(self, layout, n_rows: int) -> None:
         i = 0
-        for s, toks, n_out in parts:
-            v, n = self.seqs[s], len(toks)
-            start = len(v.tokens)
-            if v.n_exact == start:  # no draft row below: the rows the target fed extend it
-                v.n_exact = start + sum(1 for p in range(start, start + n) if p <= v.target.n_past)
+        for s, p0, n, n_out in layout:
+            v = self.seqs[s]
+            if v.n_exact == len(v.tokens):  # no draft row below: the rows the target fed extend it
+                v.n_exact = p0 + sum(1 for p in range(p0, p0 + n) if p <= v.target.n_past)
             if n_out:  # the last row's own hidden state feeds the next draft position
                 ptr = self._own_hidden(self._ctx, i + n - 1)  # by batch row, as llama_get_logits_ith
-                v.own = (start + n - 1, np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy())
+                v.own = (p0 + n - 1, np.ctypeslib.as_array(ptr, shape=(self.n_embd,)).copy())
             i += n
 
     def copy_prefix(self, src: int, dst: int, n: int) -> None:

@@ -130,7 +130,7 @@ class MultiContext(OwnsContext):
         self._seq_ptrs = [b.seq_id[i] for i in range(rows)]
         self.seqs = [self._view(i) for i in range(n_seq)]
         self.n_decodes = 0  # llama_decode calls so far (the scheduler's statistics)
-        self._get_hidden = None  # capture_hidden: the trunk's last hidden rows, kept per sequence
+        self._read_hidden = None  # capture_hidden: what to keep of each row, per sequence
 
     def _view(self, i: int) -> "SeqView":
         return SeqView(self, i)
@@ -140,62 +140,90 @@ class MultiContext(OwnsContext):
             self._batch.token = ctypes.POINTER(C.llama_token)()  # ours: llama_batch_free must not free it
         super().close()
 
-    def capture_hidden(self, n_embd: int) -> None:
-        """Keep every sequence's last hidden row of each position it evaluates (``SeqView.hidden[p]``,
-        what an MTP layer reads, llama/mtp.py); (n_ctx, n_embd) float32 per sequence."""
-        self._get_hidden = hidden_rows(self._ctx)
+    def capture_hidden(self, width: int, read=None) -> None:
+        """Keep a row of ``width`` floats per position every sequence evaluates (``SeqView.hidden[p]``):
+        ``read(n_rows)`` gives them for the last decode's rows (default: the trunk's last hidden
+        rows, what an MTP layer reads, llama/mtp.py; an EAGLE-3 head's encoded features,
+        llama/eagle3.py); (n_ctx, width) float32 per sequence."""
+        self._read_hidden = read or hidden_rows(self._ctx, width)
         for v in self.seqs:
-            v.hidden = np.zeros((self.n_ctx, n_embd), np.float32)
+            v.hidden = np.zeros((self.n_ctx, width), np.float32)
 
     def seq(self, i: int) -> "SeqView":
         return self.seqs[i]
 
     # ------------------------------------------------------------ decoding
-    def _decode(self, parts: Sequence[tuple[int, Sequence[int], int]]) -> None:
-        """One llama_decode of ``parts``: (sequence, tokens, output rows at the end)."""
+    # A context whose row for sequence position p sits at llama position p - pos_shift (an
+    # EAGLE-3 head: llama/eagle3.py); positions below pos_shift have no row.
+    pos_shift = 0
+    # A model whose graph computes logits for every row and hands out the first n_outputs of
+    # them (an EAGLE-3 head): a decode that needs any output row makes every row one.
+    all_rows_out = False
+
+    def _decode(self, parts: Sequence[tuple[int, Sequence[int], int]]) -> list[tuple[int, int]]:
+        """One llama_decode of ``parts``: (sequence, tokens, output rows at the end); per part,
+        (index of its first output row among the decode's outputs, its output rows)."""
         if not self._ctx:
             raise MarsError("this context was closed")
         i = 0
+        layout = []  # (sequence, its position of the part's first row, rows, output rows)
         for s, toks, n_out in parts:
-            view, n = self.seqs[s], len(toks)
+            view = self.seqs[s]
             start = len(view.tokens)
-            self._tok[i:i + n] = toks
-            self._pos[i:i + n] = np.arange(start, start + n)
-            self._out[i:i + n] = 0
-            if n_out:
-                self._out[i + n - n_out:i + n] = 1
-            for r in range(i, i + n):
-                self._seq_ptrs[r][0] = s
-            if self._emb is not None:
-                self._fill_embeddings(view, start, self._emb[i:i + n])
+            skip = min(max(self.pos_shift - start, 0), len(toks))
+            p0, n = start + skip, len(toks) - skip
+            n_out = min(n_out, n)
+            if n:
+                self._tok[i:i + n] = toks[skip:]
+                self._pos[i:i + n] = np.arange(p0 - self.pos_shift, p0 - self.pos_shift + n)
+                self._out[i:i + n] = 0
+                if n_out:
+                    self._out[i + n - n_out:i + n] = 1
+                for r in range(i, i + n):
+                    self._seq_ptrs[r][0] = s
+                if self._emb is not None:
+                    self._fill_embeddings(view, p0, self._emb[i:i + n])
+            layout.append((s, p0, n, n_out))
             i += n
-        self._batch.n_tokens = i
-        rc = C.llama_decode(self._ctx, self._batch)
-        self.n_decodes += 1
-        if rc != 0:
-            for s, _, _ in parts:  # llama.cpp removed this batch's positions; keep the mirrors in step
-                C.llama_memory_seq_rm(self.mem, s, len(self.seqs[s].tokens), -1)
-            if rc == 1:
-                raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
-            raise RuntimeError(f"llama_decode failed with code {rc}")
-        self._decoded(parts, i)
+        got, first = [], 0
+        every = self.all_rows_out and any(n_out for *_, n_out in layout)
+        if every:
+            self._out[:i] = 1
+        for _, _, n, n_out in layout:
+            got.append(((first + n - n_out) if every else first, n_out))
+            first += n if every else n_out
+        if i:
+            self._batch.n_tokens = i
+            rc = C.llama_decode(self._ctx, self._batch)
+            self.n_decodes += 1
+            if rc != 0:
+                for s, _, _ in parts:  # llama.cpp removed this batch's positions; keep the mirrors in step
+                    C.llama_memory_seq_rm(self.mem, s, self._cell(len(self.seqs[s].tokens)), -1)
+                if rc == 1:
+                    raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+        self._decoded(layout, i)
         for s, toks, _ in parts:
             self.seqs[s].tokens.extend(int(t) for t in toks)
+        return got
+
+    def _cell(self, p: int) -> int:
+        """The llama position of sequence position ``p`` (where a rollback to ``p`` cuts)."""
+        return max(p - self.pos_shift, 0)
 
     def _fill_embeddings(self, view: "SeqView", start: int, out: np.ndarray) -> None:
         """The input embeddings of ``view``'s rows at positions start.. (contexts with n_embd_in)."""
         raise NotImplementedError
 
-    def _decoded(self, parts, n_rows: int) -> None:
-        """After a decode of ``parts`` (before the token mirrors grow): keep the hidden rows."""
-        if self._get_hidden is None:
+    def _decoded(self, layout, n_rows: int) -> None:
+        """After a decode (before the token mirrors grow): keep the hidden rows.  ``layout``:
+        per part (sequence, position of its first row, rows, output rows), in batch order."""
+        if self._read_hidden is None or not n_rows:
             return
-        width = self.seqs[0].hidden.shape[1]
-        rows = np.ctypeslib.as_array(self._get_hidden(self._ctx), shape=(n_rows, width))
+        rows = self._read_hidden(n_rows)
         i = 0
-        for s, toks, _ in parts:
-            start, n = len(self.seqs[s].tokens), len(toks)
-            self.seqs[s].hidden[start:start + n] = rows[i:i + n]
+        for s, p0, n, _ in layout:
+            self.seqs[s].hidden[p0:p0 + n] = rows[i:i + n]
             i += n
 
     def _rows(self, n: int, first: int = 0) -> np.ndarray:
@@ -220,12 +248,10 @@ class MultiContext(OwnsContext):
             nonlocal rows
             if not group:
                 return
-            self._decode([(windows[j][0], windows[j][1], 1 if last_only else len(windows[j][1])) for j in group])
-            offset = 0
-            for j in group:
-                n = 1 if last_only else len(windows[j][1])
-                out[j] = self._rows(n, offset).copy()
-                offset += n
+            got = self._decode([(windows[j][0], windows[j][1], 1 if last_only else len(windows[j][1]))
+                                for j in group])
+            for j, (first, n) in zip(group, got):
+                out[j] = self._rows(n, first).copy()
             group.clear()
             rows = 0
 
@@ -255,10 +281,10 @@ class MultiContext(OwnsContext):
             raise ValueError(f"cannot copy {n} cells of sequence {src} into {dst}")
         C.llama_memory_seq_rm(self.mem, dst, 0, -1)
         if self.unified:
-            C.llama_memory_seq_cp(self.mem, src, dst, 0, n)
+            C.llama_memory_seq_cp(self.mem, src, dst, 0, self._cell(n))
         else:
             C.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
-            C.llama_memory_seq_rm(self.mem, dst, n, -1)
+            C.llama_memory_seq_rm(self.mem, dst, self._cell(n), -1)
         b.tokens = a.tokens[:n]
         if a.hidden is not None:
             b.hidden[:n] = a.hidden[:n]
@@ -299,16 +325,14 @@ class SeqView:
         while len(tokens) - i > nb:
             self.owner._decode([(self.seq_id, tokens[i:i + nb], 0)])
             i += nb
-        rest = tokens[i:]
-        n = min(n_out, len(rest))
-        self.owner._decode([(self.seq_id, rest, n)])
-        return self.owner._rows(n) if n else None
+        first, n = self.owner._decode([(self.seq_id, tokens[i:], n_out)])[0]
+        return self.owner._rows(n, first) if n else None
 
     def truncate(self, n_keep: int) -> None:
         """Drop this sequence's positions >= n_keep (KV rollback)."""
         if n_keep >= len(self.tokens):
             return
-        if not C.llama_memory_seq_rm(self.owner.mem, self.seq_id, n_keep, -1):
+        if not C.llama_memory_seq_rm(self.owner.mem, self.seq_id, self.owner._cell(n_keep), -1):
             raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
         del self.tokens[n_keep:]
 

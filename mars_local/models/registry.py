@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..core.choices import DRAFTERS, choice, drafter_for
+from ..core.choices import DRAFTERS, FILE_DRAFTERS, choice, drafter_for
 from ..core.errors import MarsError
 from ..core.textfile import is_file_path
 
@@ -136,8 +136,9 @@ def _parse_pair(name: str, raw) -> Pair:
         choice(drafter, DRAFTERS, "drafter")
     except MarsError as exc:
         raise _EntryError(str(exc), "drafter") from None
-    if drafter == "model" and draft is None:
-        raise _EntryError("drafter 'model' needs a draft", "drafter")
+    if drafter in FILE_DRAFTERS and draft is None:
+        raise _EntryError(f"drafter {drafter!r} needs a draft" + (" (its EAGLE-3 head)" if drafter == "eagle3" else ""),
+                          "drafter")
     from ..core.config import GenerateConfig  # the ranges and defaults of the settings
 
     theta, draft_max = raw.get("theta"), raw.get("draft_max")
@@ -354,8 +355,9 @@ def choose_models(
     * no -m (or a registry name, or ``pair``): that registry entry (the default
       one without -m), with its recommended drafter, θ and draft length;
     * -m a path or hf: reference: that file, drafter ``model`` with -md, else ``none``;
-    * -md replaces the draft model (drafter ``model``); --drafter picks another
-      drafter (the pair's draft is used only by its own ``model`` drafter);
+    * -md replaces the draft model (drafter ``model``, or with ``--drafter eagle3`` the
+      EAGLE-3 head); --drafter picks another drafter (the pair's draft is used only by its
+      own drafter, ``model`` or ``eagle3``);
       --no-draft is plain decoding.  Contradictory flags are an error.
 
     The registry is read only when a reference needs it (no -m, or a bare
@@ -367,7 +369,7 @@ def choose_models(
         choice(drafter, DRAFTERS, "drafter")
     if no_draft and (model_draft is not None or drafter not in (None, "none")):
         raise MarsError("--no-draft contradicts -md/--model-draft and --drafter")
-    if model_draft is not None and drafter not in (None, "model"):
+    if model_draft is not None and drafter not in (None, *FILE_DRAFTERS):
         raise MarsError(f"-md/--model-draft contradicts --drafter {drafter}")
     reg = None
     if model is None:
@@ -384,17 +386,17 @@ def choose_models(
         target, label = model_path(entry, "target"), entry.name
         if not no_draft and model_draft is None and drafter in (None, entry.drafter):
             drafter = entry.drafter
-            if drafter == "model":
+            if drafter in FILE_DRAFTERS:
                 draft = model_path(entry, "draft")
     else:
         target, label = resolve_model(model, reg), model
     if model_draft is not None:
-        draft, drafter = resolve_model(model_draft, reg), "model"
+        draft, drafter = resolve_model(model_draft, reg), drafter if drafter in FILE_DRAFTERS else "model"
     if no_draft:
         drafter = "none"
     drafter = drafter_for(drafter, draft is not None)  # the one rule: core.choices
     overrides = entry.overrides if entry is not None else {}
-    return ModelChoice(target, draft if drafter == "model" else None, drafter, label, entry, overrides)
+    return ModelChoice(target, draft if drafter in FILE_DRAFTERS else None, drafter, label, entry, overrides)
 
 
 def bench_drafters(choice: ModelChoice, drafter: str | None) -> tuple[str, ...]:
@@ -404,4 +406,4 @@ def bench_drafters(choice: ModelChoice, drafter: str | None) -> tuple[str, ...]:
     if drafter is not None:
         return (drafter,)
     own = choice.pair.drafter if choice.pair is not None and choice.pair.drafter != "none" else "ngram"
-    return tuple(dict.fromkeys([own] + (["model"] if choice.draft is not None else [])))
+    return tuple(dict.fromkeys([own] + (["model"] if choice.draft is not None and choice.drafter == "model" else [])))

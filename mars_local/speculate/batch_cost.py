@@ -162,6 +162,8 @@ def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
         per_seq += kv_cache_bytes(engine.draft_model, n_ctx_seq)
     if engine.drafter_kind == "mtp":  # the target's hidden rows kept for the MTP layer (float32)
         per_seq += n_ctx_seq * engine.target.n_embd * 4
+    elif engine.drafter_kind == "eagle3":  # the target's encoded features kept for the head (float32)
+        per_seq += n_ctx_seq * engine.draft_model.n_embd * 4
     avail = None if engine.target.offloaded else available_memory()
     if avail is None or per_seq <= 0:
         return cap

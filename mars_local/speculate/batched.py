@@ -49,6 +49,7 @@ from ..core.verify import verify
 from ..core.stats import SpecStats
 from ..core.tokens import common_prefix_len
 from ..llama.context import last_rides
+from ..llama.eagle3 import open_eagle3
 from ..llama.mtp import open_mtp
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, exact_reuse
 from .adaptive import expected_tokens
@@ -86,6 +87,8 @@ class Scheduler:
             self.dmc = MultiContext(engine.draft_model, n_parallel, n_seq_ctx, unified=True, **opts)
         elif engine.drafter_kind == "mtp":  # the target's MTP layers, one sequence per target sequence
             self.dmc = open_mtp(self.mc)
+        elif engine.drafter_kind == "eagle3":  # the EAGLE-3 head, one sequence per target sequence
+            self.dmc = open_eagle3(self.mc, engine.draft_model)
         self.cost = BatchCost()
         # the patched libllama's verify kernel when there is one (same results as numpy), chosen once
         self._verify_window = native.verify if native.available() else verify

@@ -44,7 +44,7 @@ from ..core.errors import MarsError
 from ..core.sampling import SamplingParams, position_uniforms, probabilities, sample_from, top_probability
 from ..core.tokens import common_prefix_len
 
-__all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "MtpDrafter", "EMPTY_DRAFT", "Extend"]
+__all__ = ["Draft", "Drafter", "NgramDrafter", "ModelDrafter", "HeadDrafter", "EMPTY_DRAFT", "Extend"]
 
 
 def drafter_kind(drafter: DrafterKind | None, draft) -> DrafterKind:
@@ -235,9 +235,9 @@ class ModelDrafter(Drafter):
         self.ctx.truncate(min(keep, len(tokens) - 1))
 
 
-class MtpDrafter(ModelDrafter):
-    """Drafts with the target's own multi-token-prediction layers: the decisions of a draft model
-    on the MTP head's rows (``ctx``: a llama.mtp.MtpView).  Rows the MTP layer fed with its own
-    hidden state (drafts) never stay in its cache after a round (the view keeps only rows the
-    target fed): accepted ones are evaluated again, fed by the target's hidden rows, in the
-    decode that drafts the next round's first token."""
+class HeadDrafter(ModelDrafter):
+    """Drafts with a head that reads the target's own rows (the target's multi-token-prediction
+    layers, or an EAGLE-3 head): the decisions of a draft model on the head's rows (``ctx``: a
+    llama.mtp.MtpView).  Rows the head fed with its own hidden state (drafts) never stay in its
+    cache after a round (the view keeps only rows the target fed): accepted ones are evaluated
+    again, fed by the target's rows, in the decode that drafts the next round's first token."""

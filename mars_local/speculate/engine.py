@@ -25,10 +25,10 @@ import numpy as np
 
 from . import native
 from .adaptive import AdaptiveK
-from ..core.choices import DrafterKind
+from ..core.choices import HEAD_DRAFTERS, DrafterKind
 from .controllers import Controllers, calibrate, learned_keys
 from .controls import Controls, StopScanner
-from .drafters import EMPTY_DRAFT, Draft, Drafter, ModelDrafter, MtpDrafter, NgramDrafter, drafter_kind
+from .drafters import EMPTY_DRAFT, Draft, Drafter, HeadDrafter, ModelDrafter, NgramDrafter, drafter_kind
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream
@@ -38,6 +38,7 @@ from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from ..llama.rpc import placement
 from ..llama.context import Context
+from ..llama.eagle3 import check_eagle3_head, open_eagle3
 from ..llama.mtp import MtpContext, check_mtp_model, open_mtp
 from ..llama.runtime import Model, build_fingerprint, check_vocab_compatible
 from ..core.sampling import position_uniforms
@@ -101,13 +102,12 @@ class Engine(TargetAccess):
         target_devs, draft_devs = placement(rpc, rpc_draft)
         if drafter == "mtp":  # before loading: a model without nextn layers would abort in llama.cpp
             check_mtp_model(target)
+        elif drafter == "eagle3":  # before loading: a head that does not fit its target would abort too
+            check_eagle3_head(draft, target)
         self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels, devices=target_devs,
                             tensor_split=tensor_split, load_mtp=drafter == "mtp")
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
-        # the target's own MTP layers draft (llama/mtp.py): their context, and its one sequence
-        self._mtp_ctx: MtpContext | None = open_mtp(self._ctx) if drafter == "mtp" else None
-        self._mtp = self._mtp_ctx.seq(0) if self._mtp_ctx is not None else None
         if drafter != "none" and self.target.recurrent:
             raise MarsError(
                 "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
@@ -117,6 +117,16 @@ class Engine(TargetAccess):
         self._draft_ctx: Context | None = None
         if drafter == "model":
             self._load_draft(draft, n_gpu_layers_draft, draft_devs, ctx_opts)
+        # a head reading the target's own rows drafts (the target's MTP layers, llama/mtp.py, or an
+        # EAGLE-3 head, llama/eagle3.py): its context, and that context's one sequence
+        self._head_ctx: MtpContext | None = None
+        if drafter == "mtp":
+            self._head_ctx = open_mtp(self._ctx)
+        elif drafter == "eagle3":
+            self.draft_model = Model(draft, n_gpu_layers_draft, devices=draft_devs)
+            check_vocab_compatible(self.target, self.draft_model)
+            self._head_ctx = open_eagle3(self._ctx, self.draft_model)
+        self._head = self._head_ctx.seq(0) if self._head_ctx is not None else None
         self._chat_formatter = None
         self._busy: object | None = None  # the running stream's token (one generation at a time)
         self._last_stats: SpecStats | None = None
@@ -199,9 +209,9 @@ class Engine(TargetAccess):
             )
         if self.drafter_kind == "ngram":
             return NgramDrafter(self.ngram_max, self.ngram_min)
-        if self.drafter_kind == "mtp":
-            return MtpDrafter(
-                self._mtp, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min,
+        if self.drafter_kind in HEAD_DRAFTERS:
+            return HeadDrafter(
+                self._head, cfg.draft_sampling, cfg.sampling, seed, cfg.draft_p_min, cfg.draft_min,
                 controls=controls if controls.active else None,
             )
         return Drafter()
@@ -371,12 +381,12 @@ class Engine(TargetAccess):
     def reset(self) -> None:
         """Forget the cached prompt prefix: the next generation evaluates its whole prompt."""
         self._check_idle()
-        for ctx in (self._ctx, self._draft_ctx, self._mtp):
+        for ctx in (self._ctx, self._draft_ctx, self._head):
             if ctx is not None:
                 ctx.truncate(0)
 
     def close(self) -> None:
-        for obj in (self._mtp_ctx, self._draft_ctx, self._ctx, self.draft_model, self.target):
+        for obj in (self._head_ctx, self._draft_ctx, self._ctx, self.draft_model, self.target):
             if obj is not None:
                 obj.close()
 

@@ -110,12 +110,15 @@ def test_choose_models_for_a_file(tmp_path):
     assert (str(c.target), c.draft, c.drafter, c.label, c.pair, c.overrides) == (t, None, "none", t, None, {})
     c = choose_models(t, d)
     assert (str(c.draft), c.drafter) == (d, "model")
+    c = choose_models(t, d, drafter="eagle3")  # -md is the EAGLE-3 head then
+    assert (str(c.draft), c.drafter) == (d, "eagle3")
     assert choose_models(t, drafter="ngram").drafter == "ngram" and choose_models(t, no_draft=True).drafter == "none"
     for kw, needle in ((dict(model_draft=d, no_draft=True), "--no-draft contradicts"),
                        (dict(drafter="ngram", no_draft=True), "--no-draft contradicts"),
                        (dict(model_draft=d, drafter="ngram"), "contradicts --drafter ngram"),
                        (dict(drafter="model"), "needs a draft model"),
-                       (dict(drafter="magic"), "drafter must be one of model, ngram, mtp, none")):
+                       (dict(drafter="eagle3"), r"needs the target's EAGLE-3 head \(-md HEAD.gguf\)"),
+                       (dict(drafter="magic"), "drafter must be one of model, ngram, mtp, eagle3, none")):
         with pytest.raises(MarsError, match=needle):
             choose_models(t, **kw)
 

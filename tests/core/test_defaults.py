@@ -91,9 +91,11 @@ def test_limits_and_ranges_in_words():
 
 def test_the_drafter_rule_is_one_function():
     assert drafter_for(None, True) == "model" and drafter_for(None, False) == "none"
-    assert drafter_for("ngram", False) == "ngram"
+    assert drafter_for("ngram", False) == "ngram" and drafter_for("eagle3", True) == "eagle3"
     for drafter, has_draft, words in (("model", False, "needs a draft model"), ("ngram", True, "draft model was given"),
-                                      ("magic", False, "drafter must be one of model, ngram, mtp, none, got 'magic'")):
+                                      ("eagle3", False, "needs the target's EAGLE-3 head"),
+                                      ("mtp", True, "draft model was given"),
+                                      ("magic", False, "drafter must be one of model, ngram, mtp, eagle3, none, got 'magic'")):
         with pytest.raises(MarsError, match=words) as e:
             drafter_for(drafter, has_draft)
         assert e.value.field == "drafter"

@@ -179,17 +179,17 @@ def test_every_draft_is_the_one_a_fresh_mtp_context_makes_for_its_tokens(mimo2, 
     from mars_local.llama.context import Context
     from mars_local.llama.mtp import open_mtp
     from mars_local.llama.runtime import Model
-    from mars_local.speculate.drafters import MtpDrafter
+    from mars_local.speculate.drafters import HeadDrafter
 
     seen = []
-    propose = MtpDrafter.propose
+    propose = HeadDrafter.propose
 
     def recording(self, tokens, k, extend=None):
         d = propose(self, tokens, k, extend)
         seen.append((list(tokens), list(d.tokens)))
         return d
 
-    monkeypatch.setattr(MtpDrafter, "propose", recording)
+    monkeypatch.setattr(HeadDrafter, "propose", recording)
     with Engine(mimo2[1], drafter="mtp", n_ctx=512, n_batch=16, n_threads=2, learned=False) as e:
         for prompt in (PROMPTS[2] * 2, PROMPTS[2] * 2 + " hello"):  # the second reuses the first's prefix
             e.generate(prompt, max_tokens=40, temperature=0, verify="strict", draft_max=4, adaptive=False,
@@ -221,18 +221,18 @@ def test_the_mtp_layer_is_fed_the_target_hidden_row_of_the_position_before(tiny_
     after a greedy token must be that token again (fed the wrong row, it would not be)."""
     from tinymodels import make_tiny_mimo2
 
-    from mars_local.speculate.drafters import MtpDrafter
+    from mars_local.speculate.drafters import HeadDrafter
 
     path = make_tiny_mimo2(tiny_dir / "mimo2-reads-hidden.gguf", seed=5, mtp_reads="hidden", mtp_scale=0.001)
     seen = []
-    propose = MtpDrafter.propose
+    propose = HeadDrafter.propose
 
     def recording(self, tokens, k, extend=None):
         d = propose(self, tokens, k, extend)
         seen.append((tokens[-1], d.tokens[0] if d.tokens else None))
         return d
 
-    monkeypatch.setattr(MtpDrafter, "propose", recording)
+    monkeypatch.setattr(HeadDrafter, "propose", recording)
     with Engine(path, drafter="mtp", n_ctx=512, n_batch=16, n_threads=2, learned=False) as e:
         for prompt in PROMPTS:
             e.generate(prompt * 2, max_tokens=30, temperature=0, verify="strict", draft_max=3, adaptive=False,

@@ -1,0 +1,327 @@
+"""Drafting with an EAGLE-3 head (--drafter eagle3 -md HEAD.gguf): tiny llama targets and tiny eagle3
+heads written by the tests (tests/tinymodels.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers import invoke, one_error_line
+from mars_local import Engine, MarsError
+from mars_local.llama.eagle3 import check_eagle3_head
+from mars_local.speculate.batched import Scheduler
+from mars_local.speculate.drafters import HeadDrafter
+
+PROMPTS = ["hello world", "the a the hello", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 the end"]
+KW = dict(n_ctx=512, n_threads=2, learned=False)
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_dir):
+    """A target close to a bigram model and a head that predicts like it part of the time."""
+    from tinymodels import make_tiny_eagle3, make_tiny_llama
+
+    target = make_tiny_llama(tiny_dir / "eagle-target.gguf", seed=11, n_layer=3, block_scale=0.05)
+    return target, make_tiny_eagle3(tiny_dir / "eagle3-head.gguf", seed=11)
+
+
+@pytest.fixture(scope="session")
+def mimo2_target(tiny_dir):
+    """A target whose graph gives its last hidden row for every row (a model with MTP layers'
+    graph): what a head reading layer id n_layer needs."""
+    from tinymodels import make_tiny_mimo2
+
+    return make_tiny_mimo2(tiny_dir / "eagle-mimo2-target.gguf", n_nextn=0, seed=5)
+
+
+def plain(e, prompt, n, **kw):
+    e.reset()
+    return e.generate(prompt, max_tokens=n, temperature=0, draft_max=0, ignore_eos=True, **kw).tokens
+
+
+def record_drafts(monkeypatch) -> list:
+    """(tokens, draft) of every proposal a HeadDrafter makes."""
+    seen = []
+    propose = HeadDrafter.propose
+
+    def recording(self, tokens, k, extend=None):
+        d = propose(self, tokens, k, extend)
+        seen.append((list(tokens), list(d.tokens)))
+        return d
+
+    monkeypatch.setattr(HeadDrafter, "propose", recording)
+    return seen
+
+
+# ------------------------------------------------------------------ which head fits which target
+def test_a_head_is_checked_against_its_target_before_anything_loads(pair, tiny_dir, tiny_target):
+    from tinymodels import make_tiny_eagle3
+
+    target, head = pair
+    assert check_eagle3_head(head, target) == (0, 1, 2)
+    with pytest.raises(MarsError, match="is not an EAGLE-3 head"):
+        check_eagle3_head(tiny_target, target)
+    wide = make_tiny_eagle3(tiny_dir / "eagle3-wide.gguf", target_embd=96)
+    with pytest.raises(MarsError, match="made for a target of width 96"):
+        check_eagle3_head(wide, target)
+    deep = make_tiny_eagle3(tiny_dir / "eagle3-deep.gguf", target_layers=(0, 1, 7))
+    with pytest.raises(MarsError, match=r"reads target layers \[0, 1, 7\]"):
+        check_eagle3_head(deep, target)
+    last = make_tiny_eagle3(tiny_dir / "eagle3-last.gguf", target_layers=(0, 1, 3))
+    with pytest.raises(MarsError, match=r"last hidden row \(layer 3\).*not llama models"):
+        check_eagle3_head(last, target)
+    r = invoke("run", "-m", target, "-md", tiny_target, "--drafter", "eagle3", "-n", "4", "hello")
+    assert "is not an EAGLE-3 head" in one_error_line(r)
+    r = invoke("run", "-m", target, "--drafter", "eagle3", "-n", "4", "hello")
+    assert "needs the target's EAGLE-3 head (-md HEAD.gguf)" in one_error_line(r)
+
+
+def test_a_target_whose_layer_inputs_llama_cpp_cannot_give_is_refused(tiny_dir, pair):
+    import gguf
+
+    path = tiny_dir / "gemma3-like.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_uint32("gemma3.embedding_length", 64)
+    w.add_uint32("gemma3.block_count", 2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(MarsError, match="cannot give an EAGLE-3 head the layer inputs of gemma3"):
+        check_eagle3_head(pair[1], path)
+
+
+# ------------------------------------------------------------------ lossless
+@pytest.fixture(scope="module")
+def eng(pair):
+    with Engine(pair[0], pair[1], drafter="eagle3", **KW) as e:
+        yield e
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, None])
+def test_strict_greedy_equals_plain_greedy(eng, k):
+    """k fixed 1..8, and adaptive (None); drafts are accepted and rejected (rollback of both contexts)."""
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        want = plain(eng, prompt, 40)
+        eng.reset()
+        opts = dict(adaptive=False, draft_max=k) if k else {}
+        out = eng.generate(prompt, max_tokens=40, temperature=0, verify="strict", ignore_eos=True, **opts)
+        assert out.tokens == want, (prompt, k)
+        drafted += out.stats.n_drafted
+        accepted += out.stats.n_accepted
+    if k:
+        assert 0 < accepted < drafted  # the head drafts, some of it right, some wrong
+
+
+def test_exact_across_prompt_chunks_prefix_reuse_turns_and_a_limit_mid_window(pair):
+    kw = dict(temperature=0, ignore_eos=True)
+    with Engine(pair[0], pair[1], drafter="eagle3", n_batch=16, **KW) as e, \
+            Engine(pair[0], n_batch=16, **KW) as ref:
+        long = PROMPTS[2] * 3  # ~90 tokens: 6 chunks of 16
+        for n in (40, 7, 13):  # 7 and 13 end inside a window of k = 8
+            assert e.generate(long, max_tokens=n, verify="strict", draft_max=8, adaptive=False, **kw).tokens \
+                == plain(ref, long, n)
+        for prompt in (long, long + " hello", PROMPTS[0]):  # the cached prefix (and the head's rows) reused
+            out = e.generate(prompt, max_tokens=30, verify="strict", **kw)
+            assert out.tokens == plain(ref, prompt, 30) and out.stats.n_prompt_evaluated < len(e.tokenize(prompt))
+        msgs = [{"role": "user", "content": "hello world"}]
+        for turn in range(3):
+            toks = e.chat_prompt(msgs)
+            out = e.generate(toks, max_tokens=20, verify="strict", **kw)
+            assert out.tokens == plain(ref, toks, 20), turn
+            msgs += [{"role": "assistant", "content": out.text}, {"role": "user", "content": f"and {turn}"}]
+
+
+def test_every_draft_is_the_one_a_fresh_head_makes_for_its_tokens(pair, monkeypatch):
+    """Each round's draft (after prompt chunks, rejected drafts rolled back, accepted drafts
+    evaluated again on the target's features, and prefix reuse) equals the greedy chain a fresh
+    target and head compute for the same tokens."""
+    from mars_local.llama.context import Context
+    from mars_local.llama.eagle3 import open_eagle3
+    from mars_local.llama.runtime import Model
+
+    seen = record_drafts(monkeypatch)
+    with Engine(pair[0], pair[1], drafter="eagle3", n_batch=16, **KW) as e:
+        for prompt in (PROMPTS[2] * 2, PROMPTS[2] * 2 + " hello"):
+            e.generate(prompt, max_tokens=40, temperature=0, verify="strict", draft_max=4, adaptive=False,
+                       ignore_eos=True)
+    assert len(seen) > 10 and any(len(d) == 4 for _, d in seen)
+    m, h = Model(pair[0], 0, exact_kernels=True), Model(pair[1], 0)
+    try:
+        for tokens, draft in seen[::3]:
+            ctx = Context(m, n_ctx=512, n_batch=16, n_threads=2)
+            owner = open_eagle3(ctx, h)
+            head = owner.seq(0)
+            try:
+                ctx.sync(tokens[:-1])
+                row, chain = head.eval(tokens, 1)[0], []
+                while len(chain) < len(draft):
+                    chain.append(int(row.argmax()))
+                    row = head.eval([chain[-1]], 1)[0]
+                assert chain == draft, len(tokens)
+            finally:
+                owner.close()
+                ctx.close()
+    finally:
+        h.close()
+        m.close()
+
+
+# ------------------------------------------------------------------ what the head is fed
+def test_the_head_reads_the_target_last_hidden_row_of_its_position(mimo2_target, tiny_dir, monkeypatch):
+    """A head whose fc passes the third feature (the target's last hidden row, layer id = n_layer)
+    through and computes nothing else gives the target's own logits of the position it is fed:
+    fed g_{p-1} beside t_p, its first draft after a greedy token is that token again."""
+    from tinymodels import make_tiny_eagle3
+
+    head = make_tiny_eagle3(tiny_dir / "eagle3-feature2.gguf", reads="feature2")
+    seen = record_drafts(monkeypatch)
+    assert check_eagle3_head(head, mimo2_target) == (0, 1, 2)  # 2: the last hidden row of a 2-layer trunk
+    with Engine(mimo2_target, head, drafter="eagle3", n_batch=16, **KW) as e:
+        for prompt in PROMPTS:
+            e.generate(prompt * 2, max_tokens=30, temperature=0, verify="strict", draft_max=3, adaptive=False,
+                       ignore_eos=True)
+    firsts = [(t[-1], d[0]) for t, d in seen if d]
+    assert len(firsts) > 20 and all(last == d0 for last, d0 in firsts), firsts
+
+
+def test_the_head_reads_the_input_of_the_target_first_layer(pair, tiny_dir, monkeypatch):
+    """fc passing the first feature (the input of layer 0: the token embedding of the position
+    it is fed) through: the first draft beside t_p is the target's output matrix on the normed
+    embedding of t_{p-1}, computed here with numpy from the target's weights."""
+    import gguf
+    from tinymodels import make_tiny_eagle3
+
+    head = make_tiny_eagle3(tiny_dir / "eagle3-feature0.gguf", reads="feature0")
+    weights = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(pair[0])).tensors}
+    emb, out = weights["token_embd.weight"], weights["output.weight"]
+
+    def predicted(tok: int) -> int:
+        x = emb[tok] / np.sqrt(np.mean(emb[tok] ** 2) + 1e-5)
+        return int(np.argmax(out @ x))
+
+    seen = record_drafts(monkeypatch)
+    with Engine(pair[0], head, drafter="eagle3", n_batch=16, **KW) as e:
+        for prompt in PROMPTS:
+            e.generate(prompt, max_tokens=20, temperature=0, verify="strict", draft_max=2, adaptive=False,
+                       ignore_eos=True)
+    firsts = [(t[-2], d[0]) for t, d in seen if d]
+    assert len(firsts) > 10 and all(predicted(prev) == d0 for prev, d0 in firsts), firsts
+
+
+def test_a_smaller_draft_vocabulary_maps_into_the_target_one(pair, tiny_dir, monkeypatch):
+    """d2t: the head's logits cover the target vocabulary, -inf off its image; drafts are target
+    ids in that image, and strict output stays exact."""
+    from tinymodels import make_tiny_eagle3
+
+    head = make_tiny_eagle3(tiny_dir / "eagle3-d2t.gguf", n_draft_vocab=100)
+    image = set(range(0, 300, 3))
+    seen = record_drafts(monkeypatch)
+    with Engine(pair[0], head, drafter="eagle3", **KW) as e:
+        for prompt in PROMPTS:
+            want = plain(e, prompt, 30)
+            e.reset()
+            assert e.generate(prompt, max_tokens=30, temperature=0, verify="strict", draft_max=3, adaptive=False,
+                              ignore_eos=True).tokens == want
+    drafted = [t for _, d in seen for t in d]
+    assert drafted and set(drafted) <= image
+
+
+# ------------------------------------------------------------------ MARS, sampling
+def test_mars_relaxes_only_the_runner_up_where_the_target_is_undecided(pair):
+    theta = 0.9
+    with Engine(pair[0], pair[1], drafter="eagle3", **KW) as e:
+        for prompt in PROMPTS:
+            e.reset()
+            out = e.generate(prompt, max_tokens=30, temperature=0, verify="mars", theta=theta, draft_max=4,
+                             adaptive=False, ignore_eos=True)
+            prefix = e.tokenize(prompt)
+            for i, (tok, kind) in enumerate(zip(out.tokens, out.kinds)):
+                z = e.logits(prefix + out.tokens[:i])[0]
+                top2 = np.argsort(z)[::-1][:2]
+                if kind == "relaxed":
+                    assert tok == top2[1] and z[top2[0]] > 0 and z[top2[1]] / z[top2[0]] > theta, (prompt, i)
+                else:
+                    assert tok == top2[0], (prompt, i)
+
+
+@pytest.mark.slow
+def test_sampling_with_eagle3_drafts_has_the_plain_distribution(pair):
+    """T = 1: the 2nd and 3rd tokens of 400 seeded generations with EAGLE-3 drafts (their
+    probabilities from the head, exact rejection sampling) follow plain sampling's law."""
+    from test_batched import _two_sample_p
+
+    kw = dict(max_tokens=3, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
+    with Engine(pair[0], pair[1], drafter="eagle3", **KW) as e:
+        base = [tuple(e.generate(PROMPTS[1], seed=s, draft_max=0, **kw).tokens[1:]) for s in range(400)]
+        spec = [tuple(e.generate(PROMPTS[1], seed=10_000 + s, verify="strict", draft_max=2, adaptive=False,
+                                 draft_sampling="sample", **kw).tokens[1:]) for s in range(400)]
+        assert e.last_stats.n_drafted > 0
+    for pos in (0, 1):
+        assert _two_sample_p([x[pos] for x in base], [x[pos] for x in spec]) > 1e-3, pos
+
+
+# ------------------------------------------------------------------ where users meet it
+def test_mars_run_drafts_with_an_eagle3_head(pair):
+    args = ("run", "-m", pair[0], "-n", "24", "--temp", "0", "--verify", "strict", "--json", "hello world")
+    r = invoke(*args, "-md", pair[1], "--drafter", "eagle3")
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    ref = json.loads(invoke(*args, "--no-draft").stdout)
+    assert got["stats"]["n_drafted"] > 0 and got["tokens"] == ref["tokens"]
+
+
+@pytest.mark.parametrize("n_parallel, n_prompts", [(3, 5), (8, 8)])
+def test_many_sequences_draft_with_the_head_and_stay_exact(pair, n_parallel, n_prompts):
+    """The scheduler drafts every sequence with the head in lockstep; each sequence's strict
+    greedy tokens equal plain greedy alone, with a sequence leaving early and others joining."""
+    prompts = [PROMPTS[i % 3] + " w%d" % i for i in range(n_prompts)]
+    with Engine(pair[0], pair[1], drafter="eagle3", **KW) as e:
+        want = [plain(e, p, 24) for p in prompts]
+        sch = Scheduler(e, n_parallel)
+        try:
+            streams = [sch.submit(p, max_tokens=24 if i else 5, temperature=0, verify="strict", ignore_eos=True)
+                       for i, p in enumerate(prompts)]
+            got = [[t for c in st for t in c.tokens] for st in streams]
+        finally:
+            sch.close()
+    assert got[0] == want[0][:5] and got[1:] == want[1:]
+    assert sum(st.stats.n_accepted for st in streams) > 0
+
+
+def test_the_scheduler_feeds_each_sequence_its_own_features(mimo2_target, tiny_dir, monkeypatch):
+    """As the lone feed test, for sequences drafting in lockstep: each sequence's first draft
+    is its own last token with the head that repeats the target's prediction (where that token
+    is the target's: not a draft from the prompt's last token, which the target did not choose)."""
+    from tinymodels import make_tiny_eagle3
+
+    from mars_local.speculate.lockstep import DraftSteps
+
+    head = make_tiny_eagle3(tiny_dir / "eagle3-feature2.gguf", reads="feature2")
+    seen = []
+    draft = DraftSteps.draft
+
+    def recording(self):
+        d = draft(self)
+        run = self.s.run
+        if len(run.tokens) > run.stats.n_prompt:
+            seen.append((run.tokens[-1], d.tokens[0] if d.tokens else None))
+        return d
+
+    monkeypatch.setattr(DraftSteps, "draft", recording)
+    with Engine(mimo2_target, head, drafter="eagle3", n_batch=16, **KW) as e:
+        sch = Scheduler(e, 4)
+        try:
+            streams = [sch.submit(p * 2 + f" w{i}", max_tokens=30, temperature=0, verify="strict", draft_max=3,
+                                  adaptive=False, ignore_eos=True) for i, p in enumerate(PROMPTS * 2)]
+            for st in streams:
+                st.result()
+        finally:
+            sch.close()
+    drafted = [(last, d0) for last, d0 in seen if d0 is not None]
+    bad = [(i, x) for i, x in enumerate(drafted) if x[0] != x[1]]
+    assert len(drafted) > 20 and not bad, bad
