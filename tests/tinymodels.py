@@ -207,6 +207,7 @@ def make_tiny_eagle3(
     n_ctx: int = 1024,
     seed: int = 0,
     attn_gain: float = 3.0,
+    token_suffix: str = "",
 ) -> Path:
     """An EAGLE-3 head (architecture ``eagle3``, one decoder layer; ``../shared/notes/mtp-eagle3.md``)
     for a tiny llama target of width ``target_embd``, sharing its embeddings and output matrix.
@@ -236,7 +237,7 @@ def make_tiny_eagle3(
     w.add_array("eagle3.target_layers", [int(i) for i in target_layers])  # int32 (the gguf wheel lacks a helper)
     w.add_uint32("eagle3.target_hidden_size", target_embd)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    _add_vocab(w, n_vocab, "", 2, None)
+    _add_vocab(w, n_vocab, token_suffix, 2, None)
 
     def r(*shape, scale=0.02):
         return (rng.standard_normal(shape) * scale).astype(np.float32)

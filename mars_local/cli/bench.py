@@ -59,7 +59,7 @@ def parse_ks(value: str, flag: str = "--fixed-k") -> tuple[int, ...]:
 # `mars bench`'s own options (the shared ones are mars_local.cli.flags')
 PAIR = typer.Option(None, "--pair", help="A models.yaml entry (see `mars models`).")
 DRAFTER = typer.Option(
-    None, "--drafter", help="Benchmark only this drafter: ngram or model (default: the pair's, plus -md's)."
+    None, "--drafter", help="Benchmark only this drafter: ngram, model, mtp or eagle3 (with -md HEAD.gguf) (default: the pair's, plus -md's)."
 )
 PROMPTS = typer.Option(
     None, "--prompts", metavar="FILE.jsonl",

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..core.errors import MarsError
 from .backend import C
-from .gguf_file import gguf_metadata
+from .gguf_file import check_gguf_file, gguf_metadata
 from .mtp import MTP_ARCHS, MtpContext
 from .streams import MultiContext
 
@@ -55,6 +55,8 @@ def check_eagle3_head(head: str | Path, target: str | Path) -> tuple[int, ...]:
     """The target layers the EAGLE-3 head at ``head`` reads, or one MarsError line saying why it
     cannot draft for ``target`` (both read from their GGUF headers, before llama.cpp loads
     anything: a head that does not fit its target would abort the process, not fail)."""
+    check_gguf_file(Path(head))
+    check_gguf_file(Path(target))
     h, t = gguf_metadata(Path(head), tensors=True), gguf_metadata(Path(target))
     name, tname = Path(head).name, Path(target).name
     arch = h.get("general.architecture", "")

@@ -36,7 +36,7 @@ import numpy as np
 from ..core.errors import MarsError
 from .backend import C
 from .context import Context
-from .gguf_file import gguf_metadata
+from .gguf_file import check_gguf_file, gguf_metadata
 from .streams import MultiContext, SeqView
 
 __all__ = ["MtpContext", "MtpView", "open_mtp", "mtp_layers", "check_mtp_model", "MTP_ARCHS", "RECURRENT_MTP_ARCHS"]
@@ -62,6 +62,7 @@ def check_mtp_model(path: str | Path) -> int:
     """The number of nextn layers of the model at ``path``, or one MarsError line saying why
     ``--drafter mtp`` cannot draft with it (checked before llama.cpp loads anything: an MTP
     context on a model loaded without its nextn layers aborts the process)."""
+    check_gguf_file(Path(path))  # missing, not GGUF, truncated: said before what the header lacks
     arch, n = mtp_layers(path)
     name = Path(path).name
     if n <= 0:

@@ -388,7 +388,7 @@ import sys
 from pathlib import Path
 args = sys.argv[1:]
 if "--help" in args:
-    print("-m, --model FNAME\n--spec-type TYPE  none,draft-simple,draft-mtp,ngram-simple\n--spec-draft-n-max N\n--no-escape\n"
+    print("-m, --model FNAME\n--spec-type TYPE  none,draft-simple,draft-eagle3,draft-mtp,ngram-simple\n--spec-draft-n-max N\n--no-escape\n"
           "-no-cnv, --no-conversation\n--no-display-prompt\n--spec-ngram-simple-size-n N")
     sys.exit(0)
 with open({log!r}, "a") as f:
@@ -462,6 +462,26 @@ def test_mtp_drafting_is_benchmarked_against_llama_cpp_draft_mtp(tiny_dir, tmp_p
     assert any(row["acceptance_rate"] for row in ours)  # the MTP head drafted, and was right at times
     spec_call = next(c for c in log.read_text().splitlines() if "--spec-type" in c).split()
     assert spec_call[spec_call.index("--spec-type") + 1] == "draft-mtp" and "-md" not in spec_call
+
+
+def test_eagle3_drafting_is_benchmarked_against_llama_cpp_draft_eagle3(tiny_dir, tmp_path):
+    """--drafter eagle3 -md HEAD: our rows draft with the EAGLE-3 head, and llama-speculative-simple
+    is run with --spec-type draft-eagle3 and the head as its draft model."""
+    from tinymodels import make_tiny_eagle3, make_tiny_llama
+
+    target = make_tiny_llama(tiny_dir / "eagle-bench-target.gguf", seed=11, n_layer=3, block_scale=0.05)
+    head = make_tiny_eagle3(tiny_dir / "eagle3-bench-head.gguf", seed=11)
+    log = _fake_bin(tmp_path / "bin")
+    out = tmp_path / "b.json"
+    r = invoke("bench", "--quick", "-m", target, "-md", head, "--drafter", "eagle3", "--categories", "math",
+               "--no-peers", "--llama-cpp-bin", tmp_path / "bin", "--json", out)
+    assert r.exit_code == 0, r.output
+    ours = [row for row in json.loads(out.read_text())["runs"]
+            if row["method"] in ("strict", "mars") and row["category"] == "all"]
+    assert ours and all(row["drafter"] == "eagle3" for row in ours) and any(row["acceptance_rate"] for row in ours)
+    spec_call = next(c for c in log.read_text().splitlines() if "--spec-type" in c).split()
+    assert spec_call[spec_call.index("--spec-type") + 1] == "draft-eagle3"
+    assert spec_call[spec_call.index("-md") + 1] == str(head)
 
 
 def test_llama_cpp_draft_length_sweep_and_the_best_speculative_row(tiny_target, tmp_path):

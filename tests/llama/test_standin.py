@@ -85,7 +85,12 @@ def test_the_mtp_standin_is_smollm2_written_as_mimo2_with_a_nextn_layer(smollm2_
         ref, ref_row = _greedy(smollm2_f16, prompt, 8)
         got, got_row = _greedy(path, prompt, 8)
         assert got == ref, prompt
-        np.testing.assert_allclose(got_row, ref_row, rtol=0, atol=0.05)  # NEOX rope on un-permuted rows: other rounding
+        # NEOX rope on un-permuted rows sums in another order: F16 rounding.  On an AVX2-only EPYC
+        # every logit moves by ~0.03 (max 0.053), a shift that is no change of the distribution, so
+        # the rows are compared centred (there: max 0.027, mean 0.005); a wrong permutation moves
+        # logits by whole units
+        diff = np.abs((got_row - got_row.mean()) - (ref_row - ref_row.mean()))
+        assert diff.max() < 0.15 and diff.mean() < 0.01, (diff.max(), diff.mean())
     with Engine(path, drafter="mtp", n_ctx=256, n_threads=2, learned=False) as e:
         want = e.generate("The capital of France is", max_tokens=16, temperature=0, draft_max=0).tokens
         e.reset()

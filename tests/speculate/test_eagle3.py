@@ -78,6 +78,18 @@ def test_a_head_is_checked_against_its_target_before_anything_loads(pair, tiny_d
     assert "needs the target's EAGLE-3 head (-md HEAD.gguf)" in one_error_line(r)
 
 
+def test_a_head_of_another_vocabulary_or_a_truncated_head_is_one_clear_line(pair, tiny_dir):
+    from tinymodels import make_tiny_eagle3
+
+    other = make_tiny_eagle3(tiny_dir / "eagle3-other-vocab.gguf", token_suffix="x")
+    r = invoke("run", "-m", pair[0], "-md", other, "--drafter", "eagle3", "-n", "4", "hello")
+    assert r.exit_code != 0 and "does not share the target's tokenizer" in one_error_line(r)
+    cut = tiny_dir / "eagle3-truncated.gguf"
+    cut.write_bytes(pair[1].read_bytes()[:5000])
+    r = invoke("run", "-m", pair[0], "-md", cut, "--drafter", "eagle3", "-n", "4", "hello")
+    assert r.exit_code != 0 and "truncated or corrupt" in one_error_line(r)
+
+
 def test_a_target_whose_layer_inputs_llama_cpp_cannot_give_is_refused(tiny_dir, pair):
     import gguf
 
