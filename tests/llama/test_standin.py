@@ -97,3 +97,29 @@ def test_the_mtp_standin_is_smollm2_written_as_mimo2_with_a_nextn_layer(smollm2_
         got = e.generate("The capital of France is", max_tokens=16, temperature=0, verify="strict", draft_max=2,
                          adaptive=False)
         assert got.tokens == want and got.stats.n_drafted > 0
+
+
+def test_the_eagle3_standin_head_reads_the_padded_target_and_drafts_exactly(smollm2_f16, padded40, tmp_path):
+    """benchmarks/make_eagle3_standin.py on a short fit: a head for the 40-block stand-in that reads
+    layers (2, 15, 39) — the last one's input being SmolLM2's final hidden row — fits its target,
+    drafts tokens that are accepted at times, and strict output with it equals plain."""
+    import sys
+
+    import gguf
+
+    from mars_local import Engine
+    from mars_local.llama.eagle3 import check_eagle3_head
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from make_eagle3_standin import collect, fit, write_head
+
+    embd = np.asarray(next(t for t in gguf.GGUFReader(str(smollm2_f16)).tensors if t.name == "token_embd.weight").data)
+    lin = fit(collect(padded40, 39, 12, 32, 2, log=lambda *_: None), embd, 1e-3, log=lambda *_: None)
+    head = write_head(smollm2_f16, tmp_path / "head.gguf", (2, 15, 39), lin)
+    assert check_eagle3_head(head, padded40) == (2, 15, 39)
+    with Engine(padded40, head, drafter="eagle3", n_ctx=256, n_threads=2, learned=False) as e:
+        prompt = e.chat_prompt([{"role": "user", "content": "Name three colours."}])
+        want = e.generate(prompt, max_tokens=24, temperature=0, draft_max=0).tokens
+        e.reset()
+        got = e.generate(prompt, max_tokens=24, temperature=0, verify="strict", draft_max=2, adaptive=False)
+        assert got.tokens == want and got.stats.n_accepted > 0
