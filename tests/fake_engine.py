@@ -67,6 +67,8 @@ class FakeEngine:
     interrupt_after: int | None = None  # raise KeyboardInterrupt after this many chunks
     fail_on: str | None = None  # a prompt containing this text is refused with a MarsError
     calls: list = field(default_factory=list)  # (prompt, config) of every stream
+    tool_syntax: str | None = None  # the chat template's tool-call syntax (tool_format())
+    tools_seen: list = field(default_factory=list)  # (tools, tool_choice) of every chat prompt
     closed: bool = False
 
     # ---------------------------------------------------------- context sizes
@@ -96,12 +98,17 @@ class FakeEngine:
     def detokenize(self, tokens) -> str:
         return bytes(tokens).decode("utf-8", "replace")
 
-    def chat_prompt(self, messages, *, max_tokens: int | None = None, cancelled=None) -> list[int]:
+    def chat_prompt(self, messages, *, max_tokens: int | None = None, cancelled=None, tools=None,
+                    tool_choice=None) -> list[int]:
         if not self.has_chat_template:
             raise MarsError("fake.gguf has no chat template; prompt it without chat formatting")
         check_messages(list(messages))
+        self.tools_seen.append((tools, tool_choice))
         return self.tokenize("".join(f"<{m['role']}>{m['content']}" for m in messages), max_tokens=max_tokens,
                              cancelled=cancelled)
+
+    def tool_format(self) -> str | None:
+        return self.tool_syntax
 
     @property
     def configs(self) -> list:

@@ -32,6 +32,7 @@ PURE = [
     "mars_local.llama.gguf_file",
     "mars_local.chat.template",
     "mars_local.chat.tokens",
+    "mars_local.chat.tools",
     "mars_local.models.hub",
     "mars_local.chat.session",
     "mars_local.batch",

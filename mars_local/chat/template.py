@@ -41,7 +41,7 @@ from typing import Sequence
 
 from ..core.errors import MarsError
 
-__all__ = ["ChatTemplate"]
+__all__ = ["ChatTemplate", "WithTools"]
 
 
 class _TemplateRaised(Exception):
@@ -81,8 +81,11 @@ class ChatTemplate:
         except Exception as exc:
             raise MarsError(f"the chat template of {name} cannot be compiled: {_one_line(str(exc))}") from None
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text; a MarsError naming the model on any failure or limit."""
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
+               tools: Sequence[dict] | None = None, tool_choice=None) -> str:
+        """The prompt text; a MarsError naming the model on any failure or limit.  ``tools``:
+        OpenAI function definitions for the template's ``tools`` variable (as Hugging Face's
+        ``apply_chat_template(tools=...)`` passes them)."""
         from .sandbox import SIZE_LIMIT, SIZE_PER_INPUT, TIME_LIMIT, RenderLimit
 
         def raise_exception(message):
@@ -90,6 +93,10 @@ class ChatTemplate:
 
         env = self._env
         n_in = sum(len(str(m.get("content") or "")) + len(str(m.get("role") or "")) for m in messages)
+        if tools:
+            import json
+
+            n_in += len(json.dumps(list(tools)))
         env.limit = SIZE_LIMIT + SIZE_PER_INPUT * n_in
         env.deadline = time.monotonic() + TIME_LIMIT
         parts: list[str] = []
@@ -103,8 +110,8 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 functions=None,
                 function_call=None,
-                tools=None,
-                tool_choice=None,
+                tools=list(tools) if tools else None,
+                tool_choice=tool_choice,
                 strftime_now=_strftime_now,
             ):
                 total += len(chunk)
@@ -124,6 +131,22 @@ class ChatTemplate:
         finally:
             env.deadline = math.inf
         return "".join(parts)
+
+
+class WithTools:
+    """``template`` rendering with ``tools`` and ``tool_choice`` in its variables (what
+    :func:`~mars_local.chat.tokens.tokenize_chat` renders when a request carries tools)."""
+
+    def __init__(self, template: ChatTemplate, tools: Sequence[dict], tool_choice=None):
+        if not isinstance(template, ChatTemplate):
+            raise MarsError(f"the chat template {getattr(template, 'name', '')!r} is one of llama.cpp's built-ins, "
+                            "which cannot render tools; use the model's own Jinja template (or --chat-template FILE)")
+        self.template, self.tools, self.tool_choice = template, list(tools), tool_choice
+        self.name, self.source = template.name, template.source
+        self.prepend_bos = False
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages, add_generation_prompt, tools=self.tools, tool_choice=self.tool_choice)
 
 
 def _one_line(s: str) -> str:

@@ -50,7 +50,7 @@ from ..core.errors import MarsError
 if TYPE_CHECKING:  # pragma: no cover
     from .template import ChatTemplate
 
-__all__ = ["tokenize_chat", "tokenize_text", "PromptTooLong", "TokenizingCancelled"]
+__all__ = ["tokenize_chat", "tokenize_text", "special_text", "PromptTooLong", "TokenizingCancelled"]
 
 _C_SPACE = " \t\n\v\f\r"  # what llama.cpp's lstrip/rstrip remove (C isspace)
 
@@ -185,6 +185,13 @@ def _has_special_text(model, text: str) -> bool:
     matches their texts literally, so a text search answers exactly.)"""
     pattern = _special_tokens(model)[1]
     return pattern is not None and pattern.search(text) is not None
+
+
+def special_text(model, text: str) -> str | None:
+    """The first control-token text special parsing would find in ``text``, or None."""
+    pattern = _special_tokens(model)[1]
+    m = pattern.search(text) if pattern is not None else None
+    return m.group(0) if m else None
 
 
 def _split_wrapped(template: ChatTemplate, messages: Sequence[dict], reference: str,

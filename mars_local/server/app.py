@@ -238,7 +238,10 @@ class _Server:
             if kind == "error":
                 raise value
             if kind == "done":
-                return maker.complete("".join(text), lps if job.request.logprobs else None, value)
+                lp = lps if job.request.logprobs else None
+                if job.tool_format is not None:
+                    return maker.complete_tools("".join(text), job.tool_format, lp, value)
+                return maker.complete("".join(text), lp, value)
             chunk, pieces = value
             text.append(chunk.text)
             if chunk.logprobs:
@@ -251,18 +254,29 @@ class _Server:
             first = maker.first()
             if first is not None:
                 yield {"data": json.dumps(first)}
+            calls = None  # the tool-call parser, when the answer may hold calls
+            if job.tool_format is not None:
+                from ..chat.tools import StreamingToolParser
+
+                calls = StreamingToolParser(job.tool_format)
             while True:
                 kind, value = await self._next(job)
                 if kind == "error":
                     yield {"data": json.dumps(value.body())}
                     break
                 if kind == "done":
+                    if calls is not None:
+                        for c in maker.tool_chunks(calls.finish()):
+                            yield {"data": json.dumps(c)}
                     yield {"data": json.dumps(maker.last(value))}
                     if req.include_usage:
                         yield {"data": json.dumps(maker.usage_chunk(value))}
                     break
                 chunk, pieces = value
-                if chunk.text or chunk.logprobs:
+                if calls is not None:  # (log probabilities are not streamed with tool calls)
+                    for c in maker.tool_chunks(calls.feed(chunk.text)):
+                        yield {"data": json.dumps(c)}
+                elif chunk.text or chunk.logprobs:
                     maker.add_pieces(pieces)
                     yield {"data": json.dumps(maker.piece_chunk(chunk.text, chunk.logprobs))}
             yield {"data": "[DONE]"}

@@ -81,7 +81,7 @@ class BatchWorker(Worker):
         job.t_start = time.monotonic()
         try:
             tokens = self._prompt(job)
-            stream = self.sched.submit(tokens, job.request.config)
+            stream = self.sched.submit(tokens, job.config)
         except TokenizingCancelled:
             self._done(job, "cancelled", None)
             return

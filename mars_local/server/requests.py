@@ -15,6 +15,9 @@ stop                               stop (a string or a list of non-empty strings
 presence_penalty, frequency_penalty  the same (-2..2, OpenAI's range)
 logprobs, top_logprobs             logprobs (the top-N count; see ``n_top``)
 response_format                    grammar (json_object: any JSON; json_schema: that schema)
+tools, tool_choice, parallel_tool_calls
+                                   chat: the functions the chat template is rendered with, and
+                                   how the answer may call them (mars_local.chat.tools)
 speculative                        our extension: enabled, verify, theta, draft_max, adaptive
 top_k, min_p, repeat_penalty, repeat_last_n, ignore_eos, grammar
                                    llama.cpp server extensions, same meaning and ranges as the
@@ -31,7 +34,7 @@ from ..core.config import GenerateConfig
 from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
 
-__all__ = ["ApiError", "Request", "parse_chat", "parse_completion", "SPECULATIVE_KEYS"]
+__all__ = ["ApiError", "Request", "parse_chat", "parse_completion", "template_tools", "SPECULATIVE_KEYS"]
 
 SPECULATIVE_KEYS = ("enabled", "verify", "theta", "draft_max", "adaptive")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
@@ -70,6 +73,9 @@ class Request:
     include_usage: bool = False
     logprobs: bool = False  # whether the response carries log probabilities
     n_top: int = 0  # how many alternatives each position lists (config.logprobs may be 1 more)
+    tools: tuple = ()  # chat.tools.Tool: the request's functions (chat only)
+    tool_choice: Any = None  # chat.tools.ToolChoice when there are tools
+    parallel_tool_calls: bool = True
 
 
 # ----------------------------------------------------------------- fields
@@ -129,12 +135,12 @@ def _unsupported(body: dict) -> None:
     best_of = _num(body, "best_of", integer=True)
     if best_of is not None and best_of != 1:
         raise ApiError(400, f"only best_of = 1 is supported, got {best_of}", param="best_of")
-    for name in ("tools", "functions", "logit_bias"):
+    for name in ("functions", "logit_bias"):
         if body.get(name):
-            raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-    for name, needs in (("tool_choice", "tools"), ("function_call", "functions")):
-        if body.get(name) is not None:  # OpenAI refuses these without their tools, and this server has none
-            raise ApiError(400, f"'{name}' needs '{needs}', and this server does not support tools", param=name)
+            why = " (use 'tools': the legacy 'functions' API is not)" if name == "functions" else ""
+            raise ApiError(400, f"'{name}' is not supported by this server{why}", param=name)
+    if body.get("function_call") is not None:
+        raise ApiError(400, "'function_call' is not supported by this server (use 'tool_choice')", param="function_call")
     if body.get("echo"):
         raise ApiError(400, "'echo' is not supported by this server", param="echo")
     if body.get("suffix"):
@@ -271,12 +277,14 @@ def _message(i: int, m: Any) -> dict:
     if not isinstance(m, dict):
         raise ApiError(400, f"'{where}' must be an object, got {_kind(m)}", param=where)
     role = m.get("role")
-    if role in ("tool", "function"):
-        raise ApiError(400, f"'{where}.role' {role!r} is not supported (this server has no tool calls)",
+    if role == "function":
+        raise ApiError(400, f"'{where}.role' 'function' is not supported (the legacy functions API); "
+                       "use 'tool' messages", param=f"{where}.role")
+    if role not in _ROLES and role != "tool":
+        raise ApiError(400, f"'{where}.role' must be one of {', '.join(_ROLES)}, tool, got {role!r}",
                        param=f"{where}.role")
-    if role not in _ROLES:
-        raise ApiError(400, f"'{where}.role' must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role")
     content = m.get("content")
+    calls = _tool_calls(where, m.get("tool_calls")) if role == "assistant" else None
     if content is None and role == "assistant":
         content = ""
     if isinstance(content, list):  # content parts: text only
@@ -291,7 +299,81 @@ def _message(i: int, m: Any) -> dict:
     if not isinstance(content, str):
         raise ApiError(400, f"'{where}.content' must be a string or an array of text parts, got {_kind(content)}",
                        param=f"{where}.content")
-    return {"role": _ROLES[role], "content": content}
+    if role == "tool":
+        out = {"role": "tool", "content": content}
+        call_id = _field(m, "tool_call_id", (str,), where=f"{where}.")
+        if call_id is not None:
+            out["tool_call_id"] = call_id
+        name = _field(m, "name", (str,), where=f"{where}.")
+        if name is not None:
+            out["name"] = name
+        return out
+    out = {"role": _ROLES[role], "content": content}
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict] | None:
+    """An assistant message's ``tool_calls``, for the template: arguments given as a JSON text
+    are handed over parsed (Hugging Face templates write ``arguments | tojson``)."""
+    import json
+
+    if calls is None:
+        return None
+    if not isinstance(calls, list) or len(calls) > 128:
+        raise ApiError(400, f"'{where}.tool_calls' must be an array of at most 128 tool calls", param=f"{where}.tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}.tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ApiError(400, f"'{w}' must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}",
+                           param=w)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise ApiError(400, f"'{w}.function.arguments' is not valid JSON", param=f"{w}.function.arguments") from None
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c.get("id"), str):
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
+def _tools(body: dict) -> dict:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` (chat.tools checks them)."""
+    from ..chat.tools import parse_tool_choice, parse_tools
+
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if not raw:
+        if choice is not None:  # as OpenAI: a choice among no tools
+            raise ApiError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        return {}
+    try:
+        tools = parse_tools(raw)
+        tool_choice = parse_tool_choice(choice, tools)
+    except MarsError as exc:
+        raise ApiError(400, str(exc), param=exc.field or "tools") from None
+    parallel = _field(body, "parallel_tool_calls", (bool,))
+    return {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": True if parallel is None else parallel}
+
+
+def template_tools(req: Request) -> list[dict] | None:
+    """The request's tools as the chat template takes them (OpenAI's shape), or None when the
+    model is not to see any (no tools, or ``tool_choice: "none"``)."""
+    if not req.tools or req.tool_choice.mode == "none":
+        return None
+    out = []
+    for t in req.tools:
+        fn = {"name": t.name}
+        if t.description is not None:
+            fn["description"] = t.description
+        fn["parameters"] = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def parse_chat(body: Any, defaults: GenerateConfig) -> Request:
@@ -306,7 +388,11 @@ def parse_chat(body: Any, defaults: GenerateConfig) -> Request:
     if n_top and not wanted:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     cfg = _with_logprobs(cfg, wanted, n_top)
-    return Request("chat", cfg, messages=messages, logprobs=wanted, n_top=n_top, **common)
+    tools = _tools(body)
+    if tools and tools["tool_choice"].mode in ("required", "function") and cfg.grammar is not None:
+        raise ApiError(400, "'response_format' (or 'grammar') cannot be combined with a 'tool_choice' that forces a "
+                       "call: the call's own grammar applies", param="tool_choice")
+    return Request("chat", cfg, messages=messages, logprobs=wanted, n_top=n_top, **common, **tools)
 
 
 # ----------------------------------------------------------- completions

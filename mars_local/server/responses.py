@@ -92,6 +92,7 @@ class ResponseMaker:
         self.n_top, self.want_logprobs = n_top, logprobs
         self.created = int(time.time())
         self._offset = 0  # completions' text_offset of the next token
+        self.n_calls = 0  # tool calls streamed so far
 
     def add_pieces(self, pieces: dict[int, bytes] | None) -> None:
         """The bytes of tokens the next log probabilities name (looked up on the engine's thread)."""
@@ -126,6 +127,38 @@ class ResponseMaker:
         choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": reason}
         return self._object("text_completion", [choice], usage=usage(stats))
 
+    def complete_tools(self, text: str, fmt: str, logprobs: Sequence[TokenLogprob] | None, stats: SpecStats) -> dict:
+        """A chat answer that may hold tool calls in the template's syntax ``fmt``: the calls go
+        to ``message.tool_calls`` (finish_reason "tool_calls"), the rest is the content."""
+        from ..chat.tools import parse_tool_calls
+
+        content, calls = parse_tool_calls(fmt, text)
+        if not calls:
+            return self.complete(text, logprobs, stats)
+        message = {"role": "assistant", "content": content or None, "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": "tool_calls"}
+        return self._object("chat.completion", [choice], usage=usage(stats))
+
+    def tool_chunks(self, events) -> list[dict]:
+        """Stream chunks of chat.tools' parser events: content deltas, and a call's id and name
+        then its arguments, as OpenAI streams ``tool_calls[i]``."""
+        from ..chat.tools import ContentDelta, ToolCallStart
+
+        out = []
+        for ev in events:
+            if isinstance(ev, ContentDelta):
+                if ev.text:
+                    out.append(self._chunk({"content": ev.text}, None, None))
+            elif isinstance(ev, ToolCallStart):
+                self.n_calls += 1
+                call = {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+                out.append(self._chunk({"tool_calls": [call]}, None, None))
+            else:
+                out.append(self._chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.delta}}]},
+                                       None, None))
+        return out
+
     # ---------------------------------------------------------------- streams
     def _chunk(self, delta_or_text, logprobs, reason: str | None) -> dict:
         if self.kind == "chat":
@@ -143,7 +176,8 @@ class ResponseMaker:
         return self._chunk(delta, self._logprobs(logprobs), None)
 
     def last(self, stats: SpecStats) -> dict:
-        return self._chunk({} if self.kind == "chat" else "", None, finish_reason(stats.stop_reason))
+        reason = "tool_calls" if self.n_calls else finish_reason(stats.stop_reason)
+        return self._chunk({} if self.kind == "chat" else "", None, reason)
 
     def usage_chunk(self, stats: SpecStats) -> dict:
         """``stream_options.include_usage``: a last chunk with no choices and the usage."""

@@ -24,15 +24,24 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 from ..chat.tokens import PromptTooLong, TokenizingCancelled
 from ..core.errors import MarsError
-from .requests import ApiError, Request
+from .requests import ApiError, Request, template_tools
 
 __all__ = ["Job", "Worker"]
 
 _ids = itertools.count(1)
+
+
+def _choice(req: Request):
+    """tool_choice as the chat template takes it (OpenAI's shape)."""
+    c = req.tool_choice
+    if c is None:
+        return None
+    return {"type": "function", "function": {"name": c.name}} if c.mode == "function" else c.mode
 
 
 class Job:
@@ -40,6 +49,8 @@ class Job:
 
     def __init__(self, request: Request, loop: asyncio.AbstractEventLoop, endpoint: str = ""):
         self.request, self.endpoint = request, endpoint
+        self.config = request.config  # what it runs with (a forced tool call adds its grammar)
+        self.tool_format: str | None = None  # the chat template's tool-call syntax, when calls are parsed
         self.number = next(_ids)
         self.events: asyncio.Queue = asyncio.Queue()
         self._loop = loop
@@ -155,7 +166,10 @@ class Worker:
                 if not eng.has_chat_template:
                     raise ApiError(400, "the model has no chat template; start the server with --chat-template "
                                    "NAME|FILE or use /v1/completions", param="messages")
-                toks = eng.chat_prompt(req.messages, **bounds)
+                tools = template_tools(req)
+                if tools:
+                    self._tools(job, tools)
+                toks = eng.chat_prompt(req.messages, tools=tools, tool_choice=_choice(req), **bounds)
             else:
                 toks = eng.tokenize(req.prompt, **bounds) if isinstance(req.prompt, str) else list(req.prompt)
         except PromptTooLong as exc:
@@ -169,6 +183,28 @@ class Worker:
                            f"{eng.n_ctx}; shorten it or start the server with a larger -c", param=param,
                            code="context_length_exceeded")
         return toks
+
+    def _tools(self, job: Job, tools: list[dict]) -> None:
+        """A request the model may answer with tool calls: the template's call syntax (parsed
+        from the answer), and a forced call's grammar (chat.tools)."""
+        from ..chat.tools import SUPPORTED_FORMATS, tools_gbnf
+
+        req = job.request
+        fmt = self.engine.tool_format()
+        if fmt not in SUPPORTED_FORMATS:
+            raise ApiError(400, "the model's chat template has no tool-call syntax mars-local can parse "
+                           f"(it knows {', '.join(SUPPORTED_FORMATS)}: Qwen2.5/3 and Hermes, Llama 3.1+, "
+                           "Mistral); start the server with --chat-template FILE for one that has", param="tools")
+        job.tool_format = fmt
+        if req.tool_choice.mode in ("required", "function"):
+            from ..speculate.grammar_check import check_grammar_text
+
+            try:
+                grammar = tools_gbnf(fmt, req.tools, req.tool_choice, req.parallel_tool_calls)
+                check_grammar_text(grammar)  # bounded work, as for any request's grammar
+            except MarsError as exc:
+                raise ApiError(400, f"'tools': {exc}", param="tools") from None
+            job.config = replace(job.config, grammar=grammar)
 
     def _pieces(self, chunk) -> dict[int, bytes] | None:
         """The bytes of every token a chunk's log probabilities name (llama.cpp is
@@ -186,7 +222,7 @@ class Worker:
         job.t_start = time.monotonic()
         try:
             tokens = self._prompt(job)
-            stream = self.engine.stream(tokens, job.request.config)
+            stream = self.engine.stream(tokens, job.config)
         except TokenizingCancelled:  # the client went away while its prompt was being tokenized
             return "cancelled", (("error", ApiError(503, "the server is shutting down", type="server_error"))
                                  if self._stopping.is_set() else None)

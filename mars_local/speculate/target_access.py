@@ -70,7 +70,8 @@ class TargetAccess:
         return self.target.piece(token, special=special)
 
     def chat_prompt(self, messages: Sequence[dict], *, max_tokens: int | None = None,
-                    cancelled: Callable[[], bool] | None = None) -> list[int]:
+                    cancelled: Callable[[], bool] | None = None, tools: Sequence[dict] | None = None,
+                    tool_choice=None) -> list[int]:
         """Token ids of ``messages`` rendered with the target's own chat template.
 
         The GGUF ``tokenizer.chat_template`` is rendered in a bounded Jinja2
@@ -79,13 +80,44 @@ class TargetAccess:
         template's markup only, never in message text (see
         :mod:`mars_local.chat.template`).  Every failure is one MarsError.
         ``max_tokens`` and ``cancelled`` bound the work as in :meth:`tokenize`.
+        ``tools`` (OpenAI function definitions) and ``tool_choice`` go to the template's
+        variables of those names; tool text holding control-token text is refused (it would
+        be template markup, where control tokens are parsed).
         """
         from ..chat.session import check_messages
         from ..chat.tokens import tokenize_chat
 
         check_messages(list(messages), roles=None)  # the template decides which roles it knows
-        return tokenize_chat(self._chat_template(), self.target, list(messages), max_tokens=max_tokens,
-                             cancelled=cancelled)
+        template = self._chat_template()
+        if tools:
+            template = self._with_tools(template, tools, tool_choice, messages)
+        return tokenize_chat(template, self.target, list(messages), max_tokens=max_tokens, cancelled=cancelled)
+
+    def _with_tools(self, template, tools, tool_choice, messages):
+        import json
+
+        from ..chat.template import WithTools
+        from ..chat.tokens import special_text
+
+        calls = [m.get("tool_calls") for m in messages if m.get("tool_calls")]
+        found = special_text(self.target, json.dumps([list(tools), calls], ensure_ascii=False))
+        if found:
+            raise MarsError(f"the tools (or the tool calls of the messages) contain the control token {found!r}; "
+                            "remove it", field="tools")
+        return WithTools(template, tools, tool_choice)
+
+    def tool_format(self) -> str | None:
+        """The tool-call syntax of the chat template: one of mars_local.chat.tools.SUPPORTED_FORMATS,
+        "unknown" (it renders tools in a syntax mars-local cannot parse), or None (it renders no
+        tools, or there is no chat template)."""
+        from ..chat.template import ChatTemplate
+        from ..chat.tools import tool_format
+
+        try:
+            template = self._chat_template()
+        except MarsError:
+            return None
+        return tool_format(template.source) if isinstance(template, ChatTemplate) else None
 
     def _chat_template(self):
         """The Engine's chat_template (a llama.cpp built-in's name or Jinja

@@ -53,7 +53,7 @@ def test_fields_map_onto_the_config(fields, check):
     (dict(presence_penalty=2.5), "presence_penalty", "[-2, 2]"),
     (dict(stop=[1]), "stop", "strings"),
     (dict(n=2), "n", "n = 1"),
-    (dict(tools=[{"type": "function"}]), "tools", "not supported"),
+    (dict(tools=[{"type": "function"}]), "tools[0].function", "must be an object"),
     (dict(logit_bias={"1": 5}), "logit_bias", "not supported"),
     (dict(top_logprobs=3), "top_logprobs", "needs 'logprobs'"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs", "[0, 20]"),
@@ -79,7 +79,7 @@ def test_fields_map_onto_the_config(fields, check):
     (dict(tool_choice="auto"), "tool_choice", "needs 'tools'"),
     (dict(tool_choice="none"), "tool_choice", "needs 'tools'"),
     (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "needs 'tools'"),
-    (dict(function_call="auto"), "function_call", "needs 'functions'"),
+    (dict(function_call="auto"), "function_call", "use 'tool_choice'"),
 ])
 def test_bad_fields_are_400_naming_the_field(fields, param, words):
     with pytest.raises(ApiError) as e:
@@ -91,7 +91,7 @@ def test_bad_fields_are_400_naming_the_field(fields, param, words):
 @pytest.mark.parametrize("messages, param", [
     ([], "messages"), ("hi", "messages"), ([5], "messages[0]"),
     ([{"role": "robot", "content": "x"}], "messages[0].role"),
-    ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    ([{"role": "function", "content": "x"}], "messages[0].role"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "messages[0].content"),
 ])

@@ -1,0 +1,202 @@
+"""Tool calling through the server (issue 26): requests, responses and streams over the scripted
+FakeEngine, and forced calls (tool_choice required / a named function) on a tiny real model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fake_engine import FakeEngine
+from helpers import api_error as err, server_client
+from test_server import sse
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
+                                                    "days": {"type": "integer", "enum": [1, 2, 3, 7]}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = {"messages": [{"role": "user", "content": "weather in Paris?"}], "tools": [WEATHER, TIME]}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+
+
+def client(reply: str, syntax: str | None = "hermes"):
+    return server_client(FakeEngine(reply=reply, chunk=3, tool_syntax=syntax))
+
+
+def test_a_call_in_the_answer_becomes_tool_calls():
+    with client("Let me look. " + CALL) as c:
+        body = c.post("/v1/chat/completions", json=ASK).json()
+        tools, choice = c.engine.tools_seen[-1]
+    choice0 = body["choices"][0]
+    assert choice0["finish_reason"] == "tool_calls"
+    msg = choice0["message"]
+    assert msg["content"] == "Let me look." and len(msg["tool_calls"]) == 1
+    call = msg["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
+    # the template saw the tools in OpenAI's shape, and tool_choice auto
+    assert [t["function"]["name"] for t in tools] == ["get_weather", "get_time"] and choice == "auto"
+
+
+def test_an_answer_without_a_call_is_plain_content():
+    with client("It is sunny.") as c:
+        body = c.post("/v1/chat/completions", json=ASK).json()
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "It is sunny."}
+    assert body["choices"][0]["finish_reason"] != "tool_calls"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 40])
+def test_a_streamed_call_reassembles_to_the_whole_answer(chunk):
+    reply = "Checking. " + CALL + "\n" + CALL.replace("Paris", "Tokyo")
+    with server_client(FakeEngine(reply=reply, chunk=chunk, tool_syntax="hermes")) as c:
+        events = sse(c.post("/v1/chat/completions", json={**ASK, "stream": True}))
+    content, calls = "", {}
+    for e in events:
+        delta = e["choices"][0]["delta"]
+        content += delta.get("content") or ""
+        for tc in delta.get("tool_calls", []):
+            slot = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+            slot["id"] = tc.get("id", slot["id"])
+            slot["name"] += tc.get("function", {}).get("name", "")
+            slot["arguments"] += tc.get("function", {}).get("arguments", "")
+    assert content.strip() == "Checking."
+    assert [json.loads(calls[i]["arguments"])["city"] for i in sorted(calls)] == ["Paris", "Tokyo"]
+    assert all(c["name"] == "get_weather" and c["id"].startswith("call_") for c in calls.values())
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_tool_round_trip_renders_the_call_and_its_result():
+    msgs = [{"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    with client("It is sunny and 21 C in Paris.") as c:
+        body = c.post("/v1/chat/completions", json={**ASK, "messages": msgs}).json()
+    assert body["choices"][0]["message"]["content"] == "It is sunny and 21 C in Paris."
+
+
+@pytest.mark.parametrize("patch, param, words", [
+    ({"tools": {"x": 1}}, "tools", "array"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "name"),
+    ({"tools": [WEATHER] * 10_000}, "tools", "at most 128"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "already the name of tools[0]"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, None, "nope"),
+    ({"tool_choice": "sometimes"}, "tool_choice", None),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"functions": [{"name": "f"}]}, "functions", "tools"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages[0].tool_calls[0].function.arguments", "not valid JSON"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(patch, param, words):
+    with client("x") as c:
+        r = c.post("/v1/chat/completions", json={**ASK, **patch})
+    e = err(r, 400, param=param)
+    assert words is None or words in e["message"]
+
+
+def test_a_template_without_a_known_call_syntax_is_refused():
+    with client("x", syntax=None) as c:
+        e = err(c.post("/v1/chat/completions", json=ASK), 400, param="tools")
+    assert "no tool-call syntax" in e["message"] and "hermes" in e["message"]
+
+
+def test_tool_choice_none_hides_the_tools_and_parses_nothing():
+    with client(CALL) as c:
+        body = c.post("/v1/chat/completions", json={**ASK, "tool_choice": "none"}).json()
+        tools, _ = c.engine.tools_seen[-1]
+    assert tools is None and body["choices"][0]["message"]["content"] == CALL
+
+
+def test_a_forced_call_runs_with_the_call_grammar():
+    with client(CALL) as c:
+        c.post("/v1/chat/completions", json={**ASK, "tool_choice": "required"})
+        c.post("/v1/chat/completions", json={**ASK, "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+        c.post("/v1/chat/completions", json=ASK)
+        required, named, auto = c.engine.configs
+    assert "get_weather" in required.grammar and "get_time" in required.grammar
+    assert "get_time" in named.grammar and "get_weather" not in named.grammar
+    assert auto.grammar is None
+
+
+# ------------------------------------------------------------------ a real (tiny) model
+HERMES = """{%- if tools %}<|im_start|>system
+You may call functions. <tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools> For each call return <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{%- for tc in m.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.mark.slow
+def test_forced_calls_always_parse_and_match_the_schema(tiny_target, tiny_draft):
+    """tool_choice required and a named function on a tiny random model, T = 1, speculation on
+    (a draft model): 100 answers, every one a call whose arguments parse and match the schema."""
+    from mars_local import Engine
+
+    with Engine(tiny_target, tiny_draft, chat_template=HERMES, n_ctx=1024, n_threads=2, learned=False) as eng:
+        assert eng.tool_format() == "hermes"
+        with server_client(eng) as c:
+            drafted = 0
+            for i in range(100):
+                choice = "required" if i % 2 else {"type": "function", "function": {"name": "get_weather"}}
+                body = c.post("/v1/chat/completions", json={
+                    **ASK, "tool_choice": choice, "temperature": 1.0, "seed": i, "max_tokens": 160,
+                    "parallel_tool_calls": False}).json()
+                msg = body["choices"][0]["message"]
+                assert body["choices"][0]["finish_reason"] == "tool_calls", body
+                (call,) = msg["tool_calls"]
+                args = json.loads(call["function"]["arguments"])
+                if call["function"]["name"] == "get_weather":
+                    assert args["city"] in ("Paris", "Tokyo") and args["days"] in (1, 2, 3, 7)
+                    assert set(args) == {"city", "days"}
+                else:
+                    assert i % 2 and call["function"]["name"] == "get_time" and isinstance(args, dict)
+                drafted += body["usage"]["speculative"]["drafted"]
+    assert drafted > 0
+
+
+@pytest.mark.slow
+def test_the_openai_client_round_trip(tiny_target):
+    """The openai client's tools round trip against the app: a forced call, its result sent back
+    as a tool message, and a final answer."""
+    import openai
+
+    from mars_local import Engine
+
+    with Engine(tiny_target, chat_template=HERMES, n_ctx=1024, n_threads=2, learned=False) as eng, \
+            server_client(eng) as c:
+        oa = openai.OpenAI(base_url=str(c.base_url) + "/v1", api_key="x", http_client=c, max_retries=0)
+        first = oa.chat.completions.create(model="fake", messages=ASK["messages"], tools=ASK["tools"],
+                                           tool_choice="required", temperature=0, max_tokens=160)
+        call = first.choices[0].message.tool_calls[0]
+        msgs = ASK["messages"] + [first.choices[0].message.model_dump(exclude_none=True),
+                                  {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        final = oa.chat.completions.create(model="fake", messages=msgs, tools=ASK["tools"], temperature=0,
+                                           max_tokens=8)
+    assert first.choices[0].finish_reason == "tool_calls" and isinstance(json.loads(call.function.arguments), dict)
+    assert final.choices[0].message is not None and final.usage.prompt_tokens > first.usage.prompt_tokens
