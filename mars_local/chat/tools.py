@@ -516,11 +516,11 @@ def tools_gbnf(fmt: str, tools: tuple[Tool, ...], choice: ToolChoice, parallel: 
     if choice.mode not in ("required", "function"):
         raise MarsError(f"a grammar forces a call: 'tool_choice' must be 'required' or a function, "
                         f"got {choice.mode!r}", field="tool_choice")
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+    from ..llama.json_schema import schema_to_gbnf
 
     key = "parameters" if fmt == "llama3" else "arguments"
     try:
-        gbnf = json_schema_to_gbnf(json.dumps(call_schema(tools, choice, key=key)), prop_order=["name", key])
+        gbnf = schema_to_gbnf(json.dumps(call_schema(tools, choice, key=key)), prop_order=["name", key])
     except MarsError:
         raise
     except Exception as exc:  # the converter raises bare exceptions on schemas it does not support
