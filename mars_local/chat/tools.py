@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ..core.errors import MarsError
 
-__all__ = ["Tool", "ToolChoice", "ToolCall", "ContentDelta", "ToolCallStart", "ToolCallArgs",
+__all__ = ["template_tools", "template_choice", "Tool", "ToolChoice", "ToolCall", "ContentDelta", "ToolCallStart", "ToolCallArgs",
            "StreamingToolParser", "parse_tools", "parse_tool_choice", "parse_parallel_tool_calls",
            "tool_format", "parse_tool_calls", "new_call_id", "call_schema", "tools_gbnf",
            "SUPPORTED_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_SCHEMA_DEPTH"]
@@ -542,3 +542,25 @@ def tools_gbnf(fmt: str, tools: tuple[Tool, ...], choice: ToolChoice, parallel: 
         v11 = '( "[TOOL_CALLS]" mistral-call )*' if parallel else ""
         root = f'"[TOOL_CALLS]" ( {v3} | mistral-call {v11} )'
     return gbnf + f"root ::= {root}\n"
+
+
+def template_tools(tools: tuple[Tool, ...], choice: ToolChoice | None) -> list[dict] | None:
+    """``tools`` as a chat template takes them (OpenAI's shape), or None when the model is not
+    to see any (no tools, or ``tool_choice`` "none")."""
+    if not tools or (choice is not None and choice.mode == "none"):
+        return None
+    out = []
+    for t in tools:
+        fn: dict = {"name": t.name}
+        if t.description is not None:
+            fn["description"] = t.description
+        fn["parameters"] = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def template_choice(choice: ToolChoice | None):
+    """``tool_choice`` as a chat template takes it (OpenAI's shape)."""
+    if choice is None:
+        return None
+    return {"type": "function", "function": {"name": choice.name}} if choice.mode == "function" else choice.mode

@@ -190,6 +190,10 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object {text, tokens, stats} and nothing else."),
     logprobs: int = opt.LOGPROBS,
     stats: bool = typer.Option(False, "--stats", "-v", help="Print a timing and acceptance summary to stderr."),
+    tools_file: Optional[str] = typer.Option(
+        None, "--tools", help="A JSON file of OpenAI tools (an array, or {\"tools\": [...]}): the model may "
+        "call them (implies --chat); prints {content, tool_calls} as JSON."),
+    tool_choice: str = typer.Option("auto", "--tool-choice", help="auto, none, required, or a tool's name (a forced call)."),
     gen: opt.GenOptions = None,
 ) -> None:
     """Generate a completion for PROMPT (streamed as it is verified).
@@ -202,11 +206,14 @@ def run(
     check_prompt_sources(prompt, prompt_opt, file)
     choice = gen.choice()  # flags are checked before standard input is read or a model loads
     cfg = gen.config(choice, n_predict, **({"logprobs": logprobs} if logprobs else {}))
+    tools = _read_tools(tools_file, tool_choice, cfg) if tools_file is not None else None
     text = prompt_source(prompt, prompt_opt, file)
     if system is not None:
         system = valid_utf8(system, "--system")
     eng = gen.engine(choice)
     try:
+        if tools is not None:
+            return _run_tools(eng, text, system, cfg, tools, as_json, stats, choice, gen)
         prompt_in = _chat_prompt(eng, text, system) if chat or system is not None else text
         summary = (lambda s: format_stats(s, choice, gen.context_line(eng))) if stats else None
         stream = eng.stream(prompt_in, cfg)
@@ -221,6 +228,60 @@ def run(
             echo(summary(stream.stats), err=True)
     finally:
         eng.close()
+
+
+def _read_tools(path: str, choice_text: str, cfg):
+    """--tools FILE and --tool-choice: (tools, choice), checked before a model loads."""
+    from ..chat.tools import parse_tool_choice, parse_tools
+
+    raw = read_text_file(path, "--tools", replace=False, limit=1 << 20)
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise MarsError(f"--tools {path}: not valid JSON ({exc})") from None
+    tools = parse_tools(data.get("tools") if isinstance(data, dict) else data)
+    if not tools:
+        raise MarsError(f"--tools {path}: no tools in the file")
+    named = choice_text not in ("auto", "none", "required")
+    tc = parse_tool_choice({"type": "function", "function": {"name": choice_text}} if named else choice_text, tools)
+    if tc.mode in ("required", "function") and cfg.grammar is not None:
+        raise MarsError("--tool-choice required (or a tool's name) forces a call with its own grammar: "
+                        "leave out --grammar/--json-schema/--format")
+    return tools, tc
+
+
+def _run_tools(eng, text: str, system: Optional[str], cfg, tools, as_json: bool, stats: bool, choice, gen) -> None:
+    """PROMPT as a user turn with tools: the answer's calls parsed (chat.tools), printed as JSON."""
+    from dataclasses import replace as _replace
+
+    from ..chat.tools import SUPPORTED_FORMATS, parse_tool_calls, template_choice, template_tools, tools_gbnf
+    from ..speculate.grammar_check import check_grammar_text
+
+    tools, tc = tools
+    fmt = eng.tool_format()
+    if fmt not in SUPPORTED_FORMATS:
+        raise MarsError("the model's chat template has no tool-call syntax mars-local can parse (it knows "
+                        f"{', '.join(SUPPORTED_FORMATS)}); give one with --chat-template FILE")
+    if tc.mode in ("required", "function"):
+        grammar = tools_gbnf(fmt, tools, tc, True)
+        check_grammar_text(grammar)
+        cfg = _replace(cfg, grammar=grammar)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    prompt_in = eng.chat_prompt(messages, tools=template_tools(tools, tc), tool_choice=template_choice(tc))
+    stream = eng.stream(prompt_in, cfg)
+    try:
+        parts, tokens, _ = _consume(stream, None)
+    except KeyboardInterrupt:
+        _interrupted(stream, True, None)
+    whole = "".join(parts)
+    content, calls = parse_tool_calls(fmt, whole) if tc.mode != "none" else (whole, [])
+    obj = {"content": content or None, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+    if as_json:
+        obj = {"text": whole, "tokens": tokens, **obj, "stats": stream.stats.to_dict()}
+    echo(json.dumps(obj, ensure_ascii=False))
+    if stats:
+        echo(format_stats(stream.stats, choice, gen.context_line(eng)), err=True)
 
 
 def _chat_prompt(eng, text: str, system: Optional[str]):

@@ -362,18 +362,10 @@ def _tools(body: dict) -> dict:
 
 
 def template_tools(req: Request) -> list[dict] | None:
-    """The request's tools as the chat template takes them (OpenAI's shape), or None when the
-    model is not to see any (no tools, or ``tool_choice: "none"``)."""
-    if not req.tools or req.tool_choice.mode == "none":
-        return None
-    out = []
-    for t in req.tools:
-        fn = {"name": t.name}
-        if t.description is not None:
-            fn["description"] = t.description
-        fn["parameters"] = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": fn})
-    return out
+    """The request's tools as the chat template takes them, or None (chat.tools.template_tools)."""
+    from ..chat.tools import template_tools as shape
+
+    return shape(req.tools, req.tool_choice)
 
 
 def parse_chat(body: Any, defaults: GenerateConfig) -> Request:

@@ -37,11 +37,9 @@ _ids = itertools.count(1)
 
 
 def _choice(req: Request):
-    """tool_choice as the chat template takes it (OpenAI's shape)."""
-    c = req.tool_choice
-    if c is None:
-        return None
-    return {"type": "function", "function": {"name": c.name}} if c.mode == "function" else c.mode
+    from ..chat.tools import template_choice
+
+    return template_choice(req.tool_choice)
 
 
 class Job:

@@ -200,3 +200,30 @@ def test_the_openai_client_round_trip(tiny_target):
                                            max_tokens=8)
     assert first.choices[0].finish_reason == "tool_calls" and isinstance(json.loads(call.function.arguments), dict)
     assert final.choices[0].message is not None and final.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+# ------------------------------------------------------------------ mars run --tools
+def test_mars_run_with_tools_prints_the_calls_as_json(tiny_target, tmp_path):
+    from helpers import invoke, one_error_line
+
+    tpl = tmp_path / "hermes.jinja"
+    tpl.write_text(HERMES)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps({"tools": ASK["tools"]}))
+    base = ("run", "-m", tiny_target, "--chat-template", tpl, "--tools", tools, "-n", "160", "--temp", "0")
+    r = invoke(*base, "--tool-choice", "get_weather", "weather in Paris?")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    (call,) = out["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and args["city"] in ("Paris", "Tokyo")
+    r = invoke(*base, "--tool-choice", "required", "--json", "weather?")
+    assert r.exit_code == 0 and json.loads(r.stdout)["tool_calls"] and "stats" in json.loads(r.stdout)
+    for extra, words in ((("--tool-choice", "nope"), "nope"), (("--tool-choice", "required", "--format", "json"), "own grammar")):
+        r = invoke(*base, *extra, "hi")
+        assert r.exit_code != 0 and words in one_error_line(r)
+    tools.write_text("[1, 2")
+    r = invoke(*base, "hi")
+    assert r.exit_code != 0 and "not valid JSON" in one_error_line(r)
+    r = invoke("run", "-m", tiny_target, "--tools", tmp_path / "missing.json", "hi")
+    assert r.exit_code != 0 and "missing.json" in one_error_line(r)
