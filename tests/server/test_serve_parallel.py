@@ -70,15 +70,12 @@ def test_a_client_leaving_mid_stream_does_not_disturb_the_others(server, tiny_ta
     assert line
 
 
-def test_mars_serve_drafts_with_mtp_layers_for_concurrent_clients(tiny_dir):
-    """`mars serve --drafter mtp --parallel 3`: concurrent clients of a model with MTP layers each
-    get the lone greedy answer from a server drafting with those layers."""
-    from tinymodels import make_tiny_mimo2
-
-    model = make_tiny_mimo2(tiny_dir / "mimo2-serve.gguf", seed=5)
+def _served_greedy_answers(model, drafter: str, *flags) -> None:
+    """`mars serve -m MODEL *flags --drafter DRAFTER --parallel 3`: six concurrent clients each get
+    the lone greedy answer of plain decoding, and the server says which drafter serves."""
     with Engine(model, learned=False) as eng:
         want = [eng.generate(p, max_tokens=20, temperature=0, ignore_eos=True).text for p in PROMPTS[:6]]
-    with LiveServer.start("-m", model, "--drafter", "mtp", "--parallel", "3", "--temp", "0",
+    with LiveServer.start("-m", model, *flags, "--drafter", drafter, "--parallel", "3", "--temp", "0",
                           "--verify", "strict") as s:
         oa = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=120)
 
@@ -88,28 +85,19 @@ def test_mars_serve_drafts_with_mtp_layers_for_concurrent_clients(tiny_dir):
 
         with cf.ThreadPoolExecutor(6) as pool:
             got = list(pool.map(ask, PROMPTS[:6]))
-        assert any("drafter: mtp" in line and "3 requests at once" in line for line in s.lines), s.lines
+        assert any(f"drafter: {drafter}" in line and "3 requests at once" in line for line in s.lines), s.lines
     assert got == want
 
 
+def test_mars_serve_drafts_with_mtp_layers_for_concurrent_clients(tiny_dir):
+    from tinymodels import make_tiny_mimo2
+
+    _served_greedy_answers(make_tiny_mimo2(tiny_dir / "mimo2-serve.gguf", seed=5), "mtp")
+
+
 def test_mars_serve_drafts_with_an_eagle3_head_for_concurrent_clients(tiny_dir):
-    """`mars serve -md HEAD --drafter eagle3 --parallel 3`: each concurrent client gets the lone
-    greedy answer from a server drafting every sequence with the EAGLE-3 head."""
     from tinymodels import make_tiny_eagle3, make_tiny_llama
 
     model = make_tiny_llama(tiny_dir / "eagle-serve-target.gguf", seed=11, n_layer=3, block_scale=0.05)
     head = make_tiny_eagle3(tiny_dir / "eagle3-serve-head.gguf", seed=11)
-    with Engine(model, learned=False) as eng:
-        want = [eng.generate(p, max_tokens=20, temperature=0, ignore_eos=True).text for p in PROMPTS[:6]]
-    with LiveServer.start("-m", model, "-md", head, "--drafter", "eagle3", "--parallel", "3", "--temp", "0",
-                          "--verify", "strict") as s:
-        oa = openai.OpenAI(base_url=s.url, api_key="x", max_retries=0, timeout=120)
-
-        def ask(p):
-            r = oa.completions.create(model=model.stem, prompt=p, max_tokens=20, extra_body={"ignore_eos": True})
-            return r.choices[0].text
-
-        with cf.ThreadPoolExecutor(6) as pool:
-            got = list(pool.map(ask, PROMPTS[:6]))
-        assert any("drafter: eagle3" in line and "3 requests at once" in line for line in s.lines), s.lines
-    assert got == want
+    _served_greedy_answers(model, "eagle3", "-md", head)
