@@ -28,11 +28,19 @@ class Outcome:
     error: Optional[str] = None
 
 
-def output_line(rec: Record, generation, piece=None) -> str:
+def output_line(rec: Record, generation, piece=None, tool_format: str | None = None) -> str:
     """A record's output line: ``{"mars_batch": 1, "id", "text", "stats"}`` (it starts with
     RECORD_PREFIX; the id as the input wrote it), with ``"logprobs"`` when the record asked
-    for them (``piece(token) -> str`` names each token's text)."""
+    for them (``piece(token) -> str`` names each token's text), and with ``"content"`` and
+    ``"tool_calls"`` (OpenAI's shape) when the record had tools (``tool_format``: the chat
+    template's call syntax)."""
     obj = {MARK: FORMAT, "id": rec.id, "text": generation.text, "stats": generation.stats.to_dict()}
+    if tool_format is not None:
+        from ..chat.tools import openai_calls, parse_tool_calls
+
+        content, calls = parse_tool_calls(tool_format, generation.text)
+        obj["content"] = content or None
+        obj["tool_calls"] = openai_calls(calls)
     lps = getattr(generation, "logprobs", None)
     if lps is not None:
         obj["logprobs"] = [lp.to_dict(piece) for lp in lps]
@@ -42,6 +50,16 @@ def output_line(rec: Record, generation, piece=None) -> str:
 def token_text(engine):
     """``piece(token) -> str`` of an engine: the token's text (bytes that are not UTF-8 replaced)."""
     return lambda t: engine.piece(t).decode("utf-8", "replace")
+
+
+def prepare(engine, rec: Record):
+    """A record's (prompt, config, tool-call syntax or None): messages through the chat template
+    (with the record's tools, a forced call adding its grammar: chat.tools), or the prompt."""
+    if rec.messages is None:
+        return rec.prompt, rec.config, None
+    if not rec.tools or rec.tool_choice.mode == "none":
+        return engine.chat_prompt(rec.messages), rec.config, None
+    return engine.tool_prompt(rec.messages, rec.tools, rec.tool_choice, rec.config)
 
 
 def run_batch(engine, records: Iterable[Record], done: Iterable = (), parallel: int = 1) -> Iterator[Outcome]:
@@ -59,12 +77,12 @@ def run_batch(engine, records: Iterable[Record], done: Iterable = (), parallel: 
             yield Outcome(rec)
             continue
         try:
-            prompt = engine.chat_prompt(rec.messages) if rec.messages is not None else rec.prompt
-            result = engine.generate(prompt, rec.config)
+            prompt, config, fmt = prepare(engine, rec)
+            result = engine.generate(prompt, config)
         except MarsError as exc:
             yield Outcome(rec, error=str(exc))
             continue
-        yield Outcome(rec, output_line(rec, result, token_text(engine)), result.stats)
+        yield Outcome(rec, output_line(rec, result, token_text(engine), fmt), result.stats)
 
 
 def _run_parallel(engine, records: Iterable[Record], done: Iterable, parallel: int) -> Iterator[Outcome]:
@@ -80,8 +98,8 @@ def _run_parallel(engine, records: Iterable[Record], done: Iterable, parallel: i
                     yield Outcome(rec)
                     continue
                 try:
-                    prompt = engine.chat_prompt(rec.messages) if rec.messages is not None else rec.prompt
-                    live.append((rec, sched.submit(prompt, rec.config)))
+                    prompt, config, fmt = prepare(engine, rec)
+                    live.append((rec, sched.submit(prompt, config), fmt))
                 except MarsError as exc:
                     yield Outcome(rec, error=str(exc))
             if not live:
@@ -89,12 +107,12 @@ def _run_parallel(engine, records: Iterable[Record], done: Iterable, parallel: i
             sched.step()
             for item in [x for x in live if x[1].finished]:
                 live.remove(item)
-                rec, stream = item
+                rec, stream, fmt = item
                 try:
                     result = stream.result()
                 except MarsError as exc:
                     yield Outcome(rec, error=str(exc))
                     continue
-                yield Outcome(rec, output_line(rec, result, token_text(engine)), result.stats)
+                yield Outcome(rec, output_line(rec, result, token_text(engine), fmt), result.stats)
     finally:
         sched.close()

@@ -30,6 +30,8 @@ class Record:
     messages: Optional[list]
     settings: dict
     config: object = None
+    tools: tuple = ()  # chat.tools.Tool: functions the answer may call (records with messages)
+    tool_choice: object = None  # chat.tools.ToolChoice when there are tools
 
 
 # ----------------------------------------------------------------- input
@@ -182,12 +184,30 @@ def _check_record(obj: dict, ctx_size: Optional[int]) -> Record:
         raise MarsError(f"'prompt' must be a non-empty string, got {_show(obj['prompt'])}")
     if has_messages:
         check_messages(obj["messages"])
-    extra = set(obj) - {"id", "prompt", "messages"} - LINE_SETTINGS
+    extra = set(obj) - {"id", "prompt", "messages", "tools", "tool_choice"} - LINE_SETTINGS
     if extra:
         raise MarsError(f"unknown field(s) {', '.join(sorted(extra))}")
     settings = {k: obj[k] for k in LINE_SETTINGS if k in obj}
     check_settings(settings, ctx_size)
-    return Record(0, obj["id"], obj.get("prompt"), obj.get("messages"), settings)
+    tools, choice = _record_tools(obj, settings)
+    return Record(0, obj["id"], obj.get("prompt"), obj.get("messages"), settings, tools=tools, tool_choice=choice)
+
+
+def _record_tools(obj: dict, settings: dict):
+    """A record's ``tools`` and ``tool_choice`` (OpenAI's shapes; chat.tools checks them)."""
+    from ..chat.tools import parse_tool_choice, parse_tools
+
+    if not obj.get("tools"):
+        if obj.get("tool_choice") is not None:
+            raise MarsError("'tool_choice' needs 'tools'")
+        return (), None
+    if "messages" not in obj:
+        raise MarsError("'tools' needs 'messages' (a chat)")
+    tools = parse_tools(obj["tools"])
+    choice = parse_tool_choice(obj.get("tool_choice"), tools)
+    if choice.mode in ("required", "function") and any(k in settings for k in GRAMMAR_KEYS):
+        raise MarsError("a 'tool_choice' that forces a call has its own grammar: leave out grammar/json_schema/format")
+    return tools, choice
 
 
 def _load_json(line: str):

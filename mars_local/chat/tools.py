@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ..core.errors import MarsError
 
-__all__ = ["template_tools", "template_choice", "Tool", "ToolChoice", "ToolCall", "ContentDelta", "ToolCallStart", "ToolCallArgs",
+__all__ = ["template_tools", "template_choice", "openai_calls", "Tool", "ToolChoice", "ToolCall", "ContentDelta", "ToolCallStart", "ToolCallArgs",
            "StreamingToolParser", "parse_tools", "parse_tool_choice", "parse_parallel_tool_calls",
            "tool_format", "parse_tool_calls", "new_call_id", "call_schema", "tools_gbnf",
            "SUPPORTED_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_SCHEMA_DEPTH"]
@@ -564,3 +564,8 @@ def template_choice(choice: ToolChoice | None):
     if choice is None:
         return None
     return {"type": "function", "function": {"name": choice.name}} if choice.mode == "function" else choice.mode
+
+
+def openai_calls(calls) -> list[dict]:
+    """``calls`` (ToolCall) in OpenAI's ``tool_calls`` shape."""
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]

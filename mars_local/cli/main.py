@@ -244,7 +244,7 @@ def _read_tools(path: str, choice_text: str, cfg):
         raise MarsError(f"--tools {path}: no tools in the file")
     named = choice_text not in ("auto", "none", "required")
     tc = parse_tool_choice({"type": "function", "function": {"name": choice_text}} if named else choice_text, tools)
-    if tc.mode in ("required", "function") and cfg.grammar is not None:
+    if tc.mode in ("required", "function") and cfg.grammar is not None:  # (checked before a model loads)
         raise MarsError("--tool-choice required (or a tool's name) forces a call with its own grammar: "
                         "leave out --grammar/--json-schema/--format")
     return tools, tc
@@ -252,31 +252,22 @@ def _read_tools(path: str, choice_text: str, cfg):
 
 def _run_tools(eng, text: str, system: Optional[str], cfg, tools, as_json: bool, stats: bool, choice, gen) -> None:
     """PROMPT as a user turn with tools: the answer's calls parsed (chat.tools), printed as JSON."""
-    from dataclasses import replace as _replace
-
-    from ..chat.tools import SUPPORTED_FORMATS, parse_tool_calls, template_choice, template_tools, tools_gbnf
-    from ..speculate.grammar_check import check_grammar_text
+    from ..chat.tools import openai_calls, parse_tool_calls
 
     tools, tc = tools
-    fmt = eng.tool_format()
-    if fmt not in SUPPORTED_FORMATS:
-        raise MarsError("the model's chat template has no tool-call syntax mars-local can parse (it knows "
-                        f"{', '.join(SUPPORTED_FORMATS)}); give one with --chat-template FILE")
-    if tc.mode in ("required", "function"):
-        grammar = tools_gbnf(fmt, tools, tc, True)
-        check_grammar_text(grammar)
-        cfg = _replace(cfg, grammar=grammar)
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    prompt_in = eng.chat_prompt(messages, tools=template_tools(tools, tc), tool_choice=template_choice(tc))
+    if tc.mode == "none":
+        prompt_in, fmt = eng.chat_prompt(messages), None
+    else:
+        prompt_in, cfg, fmt = eng.tool_prompt(messages, tools, tc, cfg)
     stream = eng.stream(prompt_in, cfg)
     try:
         parts, tokens, _ = _consume(stream, None)
     except KeyboardInterrupt:
         _interrupted(stream, True, None)
     whole = "".join(parts)
-    content, calls = parse_tool_calls(fmt, whole) if tc.mode != "none" else (whole, [])
-    obj = {"content": content or None, "tool_calls": [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+    content, calls = parse_tool_calls(fmt, whole) if fmt is not None else (whole, [])
+    obj = {"content": content or None, "tool_calls": openai_calls(calls)}
     if as_json:
         obj = {"text": whole, "tokens": tokens, **obj, "stats": stream.stats.to_dict()}
     echo(json.dumps(obj, ensure_ascii=False))

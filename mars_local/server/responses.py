@@ -130,13 +130,12 @@ class ResponseMaker:
     def complete_tools(self, text: str, fmt: str, logprobs: Sequence[TokenLogprob] | None, stats: SpecStats) -> dict:
         """A chat answer that may hold tool calls in the template's syntax ``fmt``: the calls go
         to ``message.tool_calls`` (finish_reason "tool_calls"), the rest is the content."""
-        from ..chat.tools import parse_tool_calls
+        from ..chat.tools import openai_calls, parse_tool_calls
 
         content, calls = parse_tool_calls(fmt, text)
         if not calls:
             return self.complete(text, logprobs, stats)
-        message = {"role": "assistant", "content": content or None, "tool_calls": [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]}
+        message = {"role": "assistant", "content": content or None, "tool_calls": openai_calls(calls)}
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": "tool_calls"}
         return self._object("chat.completion", [choice], usage=usage(stats))
 

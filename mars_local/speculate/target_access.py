@@ -106,6 +106,30 @@ class TargetAccess:
                             "remove it", field="tools")
         return WithTools(template, tools, tool_choice)
 
+    def tool_prompt(self, messages: Sequence[dict], tools, choice, config):
+        """(prompt tokens, config, call syntax) of a chat whose answer may call ``tools``
+        (chat.tools.Tool) as ``choice`` (chat.tools.ToolChoice) allows: rendered with them, a
+        forced call (``required`` or a named function) constraining ``config`` with its grammar.
+        MarsError when the template has no call syntax mars-local can parse."""
+        from dataclasses import replace
+
+        from ..chat.tools import SUPPORTED_FORMATS, template_choice, template_tools, tools_gbnf
+        from .grammar_check import check_grammar_text
+
+        fmt = self.tool_format()
+        if fmt not in SUPPORTED_FORMATS:
+            raise MarsError("the model's chat template has no tool-call syntax mars-local can parse (it knows "
+                            f"{', '.join(SUPPORTED_FORMATS)}); give one with --chat-template FILE")
+        if choice.mode in ("required", "function"):
+            if config.grammar is not None:
+                raise MarsError("a tool choice that forces a call has its own grammar: leave out "
+                                "--grammar/--json-schema/--format (grammar/json_schema/format)")
+            grammar = tools_gbnf(fmt, tools, choice, True)
+            check_grammar_text(grammar)
+            config = replace(config, grammar=grammar)
+        prompt = self.chat_prompt(messages, tools=template_tools(tools, choice), tool_choice=template_choice(choice))
+        return prompt, config, fmt
+
     def tool_format(self) -> str | None:
         """The tool-call syntax of the chat template: one of mars_local.chat.tools.SUPPORTED_FORMATS,
         "unknown" (it renders tools in a syntax mars-local cannot parse), or None (it renders no

@@ -227,3 +227,33 @@ def test_mars_run_with_tools_prints_the_calls_as_json(tiny_target, tmp_path):
     assert r.exit_code != 0 and "not valid JSON" in one_error_line(r)
     r = invoke("run", "-m", tiny_target, "--tools", tmp_path / "missing.json", "hi")
     assert r.exit_code != 0 and "missing.json" in one_error_line(r)
+
+
+def test_mars_batch_records_with_tools(tiny_target, tmp_path):
+    """A batch record's tools and tool_choice (one and four at a time): forced calls come back
+    as tool_calls in the output line; bad tool fields name the line."""
+    from helpers import invoke, one_error_line
+
+    tpl = tmp_path / "hermes.jinja"
+    tpl.write_text(HERMES)
+    msgs = ASK["messages"]
+    lines = [{"id": i, "messages": msgs, "tools": ASK["tools"],
+              "tool_choice": "required" if i % 2 else {"type": "function", "function": {"name": "get_weather"}}}
+             for i in range(4)] + [{"id": 9, "messages": msgs}]
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    for parallel in ("1", "4"):
+        out = tmp_path / f"out{parallel}.jsonl"
+        r = invoke("batch", inp, "-o", out, "-m", tiny_target, "--chat-template", tpl, "-n", "160", "--temp", "0",
+                   "--parallel", parallel)
+        assert r.exit_code == 0, r.output
+        got = {o["id"]: o for o in map(json.loads, out.read_text().splitlines())}
+        for i in range(4):
+            (call,) = got[i]["tool_calls"][:1]
+            assert isinstance(json.loads(call["function"]["arguments"]), dict)
+            assert i % 2 or call["function"]["name"] == "get_weather"
+        assert "tool_calls" not in got[9]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"id": 1, "prompt": "hi", "tools": ASK["tools"]}) + "\n")
+    r = invoke("batch", bad, "-o", tmp_path / "o.jsonl", "-m", tiny_target, "--strict")
+    assert r.exit_code != 0 and "needs 'messages'" in one_error_line(r)
