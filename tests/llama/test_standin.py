@@ -114,12 +114,16 @@ def test_the_eagle3_standin_head_reads_the_padded_target_and_drafts_exactly(smol
     from make_eagle3_standin import collect, fit, write_head
 
     embd = np.asarray(next(t for t in gguf.GGUFReader(str(smollm2_f16)).tensors if t.name == "token_embd.weight").data)
-    lin = fit(collect(padded40, 39, 12, 32, 2, log=lambda *_: None), embd, 1e-3, log=lambda *_: None)
+    lin = fit(collect(padded40, 39, 24, 48, 2, log=lambda *_: None), embd, 1e-3, log=lambda *_: None)
     head = write_head(smollm2_f16, tmp_path / "head.gguf", (2, 15, 39), lin)
     assert check_eagle3_head(head, padded40) == (2, 15, 39)
+    accepted = 0
     with Engine(padded40, head, drafter="eagle3", n_ctx=256, n_threads=2, learned=False) as e:
-        prompt = e.chat_prompt([{"role": "user", "content": "Name three colours."}])
-        want = e.generate(prompt, max_tokens=24, temperature=0, draft_max=0).tokens
-        e.reset()
-        got = e.generate(prompt, max_tokens=24, temperature=0, verify="strict", draft_max=2, adaptive=False)
-        assert got.tokens == want and got.stats.n_accepted > 0
+        for q in ("Name three colours.", "What is the capital of France?", "Write a haiku about rain."):
+            prompt = e.chat_prompt([{"role": "user", "content": q}])
+            want = e.generate(prompt, max_tokens=32, temperature=0, draft_max=0).tokens
+            e.reset()
+            got = e.generate(prompt, max_tokens=32, temperature=0, verify="strict", draft_max=1, adaptive=False)
+            assert got.tokens == want and got.stats.n_drafted > 0, q
+            accepted += got.stats.n_accepted
+    assert accepted > 0  # a linear head accepts ~10 % (BENCHMARKS.md); a broken feed would accept none
