@@ -33,6 +33,7 @@ PURE = [
     "mars_local.chat.template",
     "mars_local.chat.tokens",
     "mars_local.chat.tools",
+    "mars_local.chat.tool_grammar",
     "mars_local.models.hub",
     "mars_local.chat.session",
     "mars_local.batch",

@@ -6,7 +6,8 @@ their size, count and nesting are bounded, so a hostile body costs microseconds.
 writes calls in its chat template's own syntax; :func:`tool_format` tells the family from the
 template's Jinja source, :func:`parse_tool_calls` (a whole output) and
 :class:`StreamingToolParser` (deltas) turn the output back into content and calls, and
-:func:`tools_gbnf` is a grammar that forces a call (``tool_choice`` "required" or a named tool).
+:func:`~mars_local.chat.tool_grammar.tools_gbnf` is a grammar that forces a call
+(``tool_choice`` "required" or a named tool).
 
 Families (the call object is ``{"name": N, "arguments": {...}}`` unless said otherwise):
 
@@ -35,10 +36,7 @@ from typing import Any, Callable
 
 from ..core.errors import MarsError
 
-__all__ = ["template_tools", "template_choice", "openai_calls", "Tool", "ToolChoice", "ToolCall", "ContentDelta", "ToolCallStart", "ToolCallArgs",
-           "StreamingToolParser", "parse_tools", "parse_tool_choice", "parse_parallel_tool_calls",
-           "tool_format", "parse_tool_calls", "new_call_id", "call_schema", "tools_gbnf",
-           "SUPPORTED_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_SCHEMA_DEPTH"]
+__all__ = ["template_tools", "template_choice", "openai_calls", "Tool", "ToolChoice", "ToolCall", "ContentDelta", "ToolCallStart", "ToolCallArgs", "StreamingToolParser", "parse_tools", "parse_tool_choice", "parse_parallel_tool_calls", "tool_format", "parse_tool_calls", "new_call_id", "SUPPORTED_FORMATS", "MAX_TOOLS", "MAX_TOOLS_BYTES", "MAX_SCHEMA_DEPTH"]
 
 SUPPORTED_FORMATS = ("hermes", "llama3", "mistral")
 MAX_TOOLS = 128  # OpenAI's own limit
@@ -460,88 +458,6 @@ def parse_tool_calls(fmt: str | None, text: str,
         else:
             calls[ev.index][2] += ev.delta
     return "".join(content), [ToolCall(*c) for c in calls.values()]
-
-
-# ------------------------------------------------------------------ grammars
-_REF = re.compile(r'"\$ref": "#(?:/(?:\$defs|definitions)/([^"]*))?"')
-# llama-cpp-python's converter lets a string hold raw control characters, which JSON forbids
-# (the same fix as mars_local.speculate.grammar's, which this layer may not import)
-_LAX_CHAR = r'char ::= [^"\\] |'
-_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
-_GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z0-9_-]+|\s+|.', re.S)
-
-
-def _allowed(tools: tuple[Tool, ...], choice: ToolChoice) -> list[tuple[int, Tool]]:
-    out = [(i, t) for i, t in enumerate(tools) if choice.mode != "function" or t.name == choice.name]
-    if not out:
-        raise MarsError("there is no tool to call", field="tool_choice")
-    return out
-
-
-def call_schema(tools: tuple[Tool, ...], choice: ToolChoice, *, key: str = "arguments") -> dict:
-    """The JSON Schema of one call object: an ``anyOf`` over the allowed tools (the named one only,
-    for a named choice) of ``{"name": {"const": N}, key: PARAMS}``, both required, nothing else.
-    Tool i's PARAMS is ``$defs["args-i"]`` (``{"type": "object"}`` when it has none); its own
-    ``$defs``/``definitions`` move to the root's as ``t<i>-NAME``, their ``$ref``s rewritten."""
-    defs: dict = {}
-    alts = []
-    for i, t in _allowed(tools, choice):
-        params = dict(t.parameters or {})
-        params.setdefault("type", "object")
-        own = {k: v for d in (params.pop("definitions", None), params.pop("$defs", None))
-               if isinstance(d, dict) for k, v in d.items()}
-        def moved_ref(m: re.Match, i: int = i) -> str:  # "#/$defs/X" -> "#/$defs/t<i>-X", "#" -> args-i
-            return '"$ref": "#/$defs/' + (f"args-{i}" if m[1] is None else f"t{i}-{m[1]}") + '"'
-
-        moved = json.loads(_REF.sub(moved_ref, json.dumps({"p": params, "d": own})))
-        defs[f"args-{i}"] = moved["p"]
-        defs.update({f"t{i}-{k}": v for k, v in moved["d"].items()})
-        alts.append({"type": "object", "properties": {"name": {"const": t.name}, key: {"$ref": f"#/$defs/args-{i}"}},
-                     "required": ["name", key], "additionalProperties": False})
-    return {"$defs": defs, "anyOf": alts}
-
-
-def _lit(s: str) -> str:
-    """A GBNF string literal."""
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
-
-
-def tools_gbnf(fmt: str, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -> str:
-    """A GBNF grammar whose every output is one call (``parallel``: one or more) in ``fmt``'s
-    syntax, to a tool ``choice`` allows: ``choice`` must be "required" or a named function (with
-    "auto" the model may answer in text, which no grammar can leave open).  Its cost is not
-    checked here: the caller bounds it as any grammar (``speculate.grammar_check``)."""
-    if fmt not in SUPPORTED_FORMATS:
-        raise MarsError(f"unknown tool-call format {fmt!r} (known: {', '.join(SUPPORTED_FORMATS)})")
-    if choice.mode not in ("required", "function"):
-        raise MarsError(f"a grammar forces a call: 'tool_choice' must be 'required' or a function, "
-                        f"got {choice.mode!r}", field="tool_choice")
-    from ..llama.json_schema import schema_to_gbnf
-
-    key = "parameters" if fmt == "llama3" else "arguments"
-    try:
-        gbnf = schema_to_gbnf(json.dumps(call_schema(tools, choice, key=key)), prop_order=["name", key])
-    except MarsError:
-        raise
-    except Exception as exc:  # the converter raises bare exceptions on schemas it does not support
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise MarsError(f"cannot convert the tools' parameters to a grammar: {msg}", field="tools") from None
-    gbnf = gbnf.replace(_LAX_CHAR, _JSON_CHAR).rstrip("\n") + "\n"
-    if re.search(r"(?m)^(call|mistral-call) ::=", gbnf):
-        raise MarsError("a tool's parameters define a rule named 'call'", field="tools")  # pragma: no cover
-    gbnf = "".join("call" if tok == "root" else tok for tok in _GBNF_TOKEN.findall(gbnf))
-    if fmt == "hermes":
-        one = _lit("<tool_call>\n") + " call " + _lit("\n</tool_call>")
-        root = f'{one} ( "\\n" {one} )*' if parallel else one
-    elif fmt == "llama3":
-        root = 'call ( ";" " "? call )*' if parallel else "call"
-    else:
-        pairs = " | ".join(f"{_lit(t.name + '[ARGS]')} args-{i}" for i, t in _allowed(tools, choice))
-        gbnf += f"mistral-call ::= {pairs}\n"
-        v3 = '" "? "[" call ( "," space call )* "]"' if parallel else '" "? "[" call "]"'
-        v11 = '( "[TOOL_CALLS]" mistral-call )*' if parallel else ""
-        root = f'"[TOOL_CALLS]" ( {v3} | mistral-call {v11} )'
-    return gbnf + f"root ::= {root}\n"
 
 
 def template_tools(tools: tuple[Tool, ...], choice: ToolChoice | None) -> list[dict] | None:

@@ -185,7 +185,8 @@ class Worker:
     def _tools(self, job: Job, tools: list[dict]) -> None:
         """A request the model may answer with tool calls: the template's call syntax (parsed
         from the answer), and a forced call's grammar (chat.tools)."""
-        from ..chat.tools import SUPPORTED_FORMATS, tools_gbnf
+        from ..chat.tool_grammar import tools_gbnf
+        from ..chat.tools import SUPPORTED_FORMATS
 
         req = job.request
         fmt = self.engine.tool_format()

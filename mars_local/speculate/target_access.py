@@ -113,7 +113,8 @@ class TargetAccess:
         MarsError when the template has no call syntax mars-local can parse."""
         from dataclasses import replace
 
-        from ..chat.tools import SUPPORTED_FORMATS, template_choice, template_tools, tools_gbnf
+        from ..chat.tool_grammar import tools_gbnf
+        from ..chat.tools import SUPPORTED_FORMATS, template_choice, template_tools
         from .grammar_check import check_grammar_text
 
         fmt = self.tool_format()

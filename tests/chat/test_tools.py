@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from mars_local.chat.tools import (
     MAX_TOOLS, SUPPORTED_FORMATS, ContentDelta, StreamingToolParser, Tool, ToolCallArgs, ToolCallStart,
-    ToolChoice, call_schema, new_call_id, parse_parallel_tool_calls, parse_tool_calls, parse_tool_choice,
-    parse_tools, tool_format, tools_gbnf,
+    ToolChoice, new_call_id, parse_parallel_tool_calls, parse_tool_calls, parse_tool_choice,
+    parse_tools, tool_format,
 )
+from mars_local.chat.tool_grammar import call_schema, tools_gbnf
 from mars_local.core.errors import MarsError
 
 
