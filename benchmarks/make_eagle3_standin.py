@@ -27,15 +27,14 @@ Files go into the git-ignored cache (``.cache/standin/``); needs the ``gguf`` pa
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_mtp_standin import _rms, corpus_prompts  # noqa: E402
-from make_standin import CACHE, build, finish, pad_model  # noqa: E402
+from make_mtp_standin import _rms, corpus_sequences, f16_base, fit_args, ridge_fit  # noqa: E402
+from make_standin import finish, pad_model  # noqa: E402
 
 GAIN = 10.0  # q = k = GAIN x normed embedding: a row's score with itself beats any other by > 50
 
@@ -44,18 +43,11 @@ def collect(model: Path, layer: int, n_prompts: int, n_tokens: int, threads: int
     """(tokens, final hidden rows) of SmolLM2's greedy continuations of the corpus prompts, on a
     padded ``model`` whose block ``layer`` is inert (its input is SmolLM2's final hidden row: a
     llama graph hands out layer inputs for every row, and no last hidden row at all)."""
-    from mars_local import Engine
     from mars_local.llama.context import Context
     from mars_local.llama.eagle3 import _layer_inputs
     from mars_local.llama.runtime import Model
 
-    with Engine(model, n_ctx=1024, n_threads=threads, learned=False) as eng:
-        seqs = []
-        for i, p in enumerate(corpus_prompts(n_prompts)):
-            toks = eng.chat_prompt([{"role": "user", "content": p}])
-            seqs.append(toks + eng.generate(toks, max_tokens=n_tokens, temperature=0).tokens)
-            if i % 10 == 9:
-                log(f"  corpus: {i + 1} continuations")
+    seqs = corpus_sequences(model, n_prompts, n_tokens, threads, log)
     m = Model(model, 0, exact_kernels=True)
     ctx = Context(m, n_ctx=1024, n_threads=threads)
     ctx.capture_hidden(m.n_embd, _layer_inputs(ctx._ctx, (layer,), layer + 1, m.n_embd))
@@ -78,10 +70,7 @@ def fit(seqs, embd: np.ndarray, ridge: float, log=print) -> np.ndarray:
         e = embd[np.asarray(toks[1:])].astype(np.float32)
         xs.append(np.concatenate([_rms(e), _rms(h[:-1])], axis=1))
         ys.append(h[1:] - h[:-1])
-    x, y = np.concatenate(xs), np.concatenate(ys)
-    log(f"  fitting the head on {len(x)} positions (ridge {ridge})")
-    a = x.T @ x + ridge * len(x) * np.eye(x.shape[1])
-    return np.linalg.solve(a, x.T @ y).T.astype(np.float32)
+    return ridge_fit(np.concatenate(xs), np.concatenate(ys), ridge, "the head", log)
 
 
 def write_head(base: Path, dst: Path, layers: tuple[int, int, int], lin: np.ndarray) -> Path:
@@ -134,22 +123,12 @@ def write_head(base: Path, dst: Path, layers: tuple[int, int, int], lin: np.ndar
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks", type=int, default=240, help="the stand-in's blocks (SmolLM2's 30 + inert ones)")
-    ap.add_argument("--prompts", type=int, default=48, help="corpus prompts for the fit")
-    ap.add_argument("-n", "--tokens", type=int, default=96, help="greedy tokens per corpus prompt")
-    ap.add_argument("--ridge", type=float, default=1e-3)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--cache", type=Path, default=CACHE)
-    a = ap.parse_args(argv)
+    a = fit_args(__doc__, "the stand-in's blocks (SmolLM2's 30 + inert ones)").parse_args(argv)
     if a.blocks < 31:
         print("error: --blocks must be at least 31 (SmolLM2's 30 and an inert one, whose input is the "
               "final hidden row the head reads)", file=sys.stderr)
         return 2
-    a.cache.mkdir(parents=True, exist_ok=True)
-    base = a.cache / "SmolLM2-135M-Instruct.F16.gguf"
-    if not base.exists():
-        build(blocks=30, kquant=False, cache=a.cache)
+    base = f16_base(a.cache)
     probe = pad_model(base, a.cache / "smollm2-eagle3-probe.gguf", 31)  # block 30 inert: its input is h
     print(f"fitting the head on SmolLM2's own text ({a.prompts} prompts x {a.tokens} tokens)")
     import gguf

@@ -131,20 +131,56 @@ def corpus_prompts(n: int) -> list[str]:
     return sents[::step][:n]
 
 
-def fit_eh_proj(model: Path, n_prompts: int, n_tokens: int, ridge: float, threads: int, log=print) -> np.ndarray:
-    """Ridge regression of rmsnorm(h_p) on [rmsnorm(e_{t_p}), rmsnorm(h_{p-1})] over SmolLM2's own
-    greedy continuations of the corpus prompts (chat template), read through an unpadded mimo2 file."""
+def corpus_sequences(model: Path, n_prompts: int, n_tokens: int, threads: int, log=print) -> list[list[int]]:
+    """The tokens of ``model``'s greedy continuations of the corpus prompts (chat template)."""
     from mars_local import Engine
-    from mars_local.llama.context import Context
-    from mars_local.llama.runtime import Model
 
-    with Engine(model, n_ctx=1024, n_threads=threads, learned=False) as eng:  # the trunk's greedy text
+    with Engine(model, n_ctx=1024, n_threads=threads, learned=False) as eng:
         seqs = []
         for i, p in enumerate(corpus_prompts(n_prompts)):
             toks = eng.chat_prompt([{"role": "user", "content": p}])
             seqs.append(toks + eng.generate(toks, max_tokens=n_tokens, temperature=0).tokens)
             if i % 10 == 9:
                 log(f"  corpus: {i + 1} continuations")
+    return seqs
+
+
+def ridge_fit(x: np.ndarray, y: np.ndarray, ridge: float, what: str, log=print) -> np.ndarray:
+    """W (out, in) with y ~ x @ W.T, by ridge regression (``ridge`` x the number of rows)."""
+    log(f"  fitting {what} on {len(x)} positions (ridge {ridge})")
+    a = x.T @ x + ridge * len(x) * np.eye(x.shape[1])
+    return np.linalg.solve(a, x.T @ y).T.astype(np.float32)
+
+
+def fit_args(doc: str, blocks_help: str) -> argparse.ArgumentParser:
+    """The options the stand-ins' fits share (the padded size, the corpus, the ridge); ``doc``:
+    the script's docstring, whose first paragraph describes it."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--blocks", type=int, default=240, help=blocks_help)
+    ap.add_argument("--prompts", type=int, default=48, help="corpus prompts for the fit")
+    ap.add_argument("-n", "--tokens", type=int, default=96, help="greedy tokens per corpus prompt")
+    ap.add_argument("--ridge", type=float, default=1e-3)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--cache", type=Path, default=CACHE)
+    return ap
+
+
+def f16_base(cache: Path) -> Path:
+    """SmolLM2-135M-Instruct in F16 (make_standin.py's requantization), made if missing."""
+    cache.mkdir(parents=True, exist_ok=True)
+    base = cache / "SmolLM2-135M-Instruct.F16.gguf"
+    if not base.exists():
+        build(blocks=30, kquant=False, cache=cache)
+    return base
+
+
+def fit_eh_proj(model: Path, n_prompts: int, n_tokens: int, ridge: float, threads: int, log=print) -> np.ndarray:
+    """Ridge regression of rmsnorm(h_p) on [rmsnorm(e_{t_p}), rmsnorm(h_{p-1})] over SmolLM2's own
+    greedy continuations of the corpus prompts (chat template), read through an unpadded mimo2 file."""
+    from mars_local.llama.context import Context
+    from mars_local.llama.runtime import Model
+
+    seqs = corpus_sequences(model, n_prompts, n_tokens, threads, log)  # the trunk's greedy text
     m = Model(model, 0, exact_kernels=True, load_mtp=True)
     ctx = Context(m, n_ctx=1024, n_threads=threads)
     ctx.capture_hidden(m.n_embd)
@@ -163,29 +199,15 @@ def fit_eh_proj(model: Path, n_prompts: int, n_tokens: int, ridge: float, thread
     finally:
         ctx.close()
         m.close()
-    x, y = np.concatenate(xs), np.concatenate(ys)
-    log(f"  fitting eh_proj on {len(x)} positions (ridge {ridge})")
-    a = x.T @ x + ridge * len(x) * np.eye(x.shape[1])
-    wt = np.linalg.solve(a, x.T @ y)  # (2 n_embd, n_embd): y ~ x @ wt
-    return wt.T.astype(np.float32)  # eh_proj rows: out = W @ [e; h]
+    return ridge_fit(np.concatenate(xs), np.concatenate(ys), ridge, "eh_proj", log)  # eh_proj rows: W @ [e; h]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--blocks", type=int, default=240, help="trunk blocks (SmolLM2-135M has 30; the rest inert)")
-    ap.add_argument("--prompts", type=int, default=48, help="corpus prompts for the fit")
-    ap.add_argument("-n", "--tokens", type=int, default=96, help="greedy tokens per corpus prompt")
-    ap.add_argument("--ridge", type=float, default=1e-3)
-    ap.add_argument("-t", "--threads", type=int, default=2)
-    ap.add_argument("--cache", type=Path, default=CACHE)
-    a = ap.parse_args(argv)
+    a = fit_args(__doc__, "trunk blocks (SmolLM2-135M has 30; the rest inert)").parse_args(argv)
     if a.blocks < 30:
         print("error: --blocks must be at least 30 (the model's own blocks)", file=sys.stderr)
         return 2
-    a.cache.mkdir(parents=True, exist_ok=True)
-    base = a.cache / "SmolLM2-135M-Instruct.F16.gguf"
-    if not base.exists():
-        build(blocks=30, kquant=False, cache=a.cache)
+    base = f16_base(a.cache)
     probe = write_mimo2(base, a.cache / "smollm2-mtp-probe.gguf", 30, None)
     print(f"fitting the MTP layer on SmolLM2's own text ({a.prompts} prompts x {a.tokens} tokens)")
     eh = fit_eh_proj(probe, a.prompts, a.tokens, a.ridge, a.threads)

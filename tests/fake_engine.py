@@ -30,6 +30,7 @@ from mars_local.chat.session import check_messages
 from mars_local.chat.tokens import PromptTooLong, TokenizingCancelled
 from mars_local.core.errors import MarsError
 from mars_local.core.stats import SpecStats
+from mars_local.speculate.target_access import TargetAccess
 
 
 class FakeStream:
@@ -109,6 +110,8 @@ class FakeEngine:
 
     def tool_format(self) -> str | None:
         return self.tool_syntax
+
+    tool_prompt = TargetAccess.tool_prompt  # the Engine's own, over this fake's chat_prompt and tool_format
 
     @property
     def configs(self) -> list:

@@ -47,6 +47,33 @@ def _add_vocab(w, n_vocab: int, token_suffix: str, eos_id: int, chat_template: s
         w.add_chat_template(chat_template)
 
 
+def _writer(path: Path, arch: str, *, n_ctx: int, n_embd: int, n_blocks: int, n_ff: int, n_head: int,
+            n_head_kv: int) -> "gguf.GGUFWriter":
+    """A GGUF writer for ``arch`` with the sizes every tiny model states (F32 weights, rope over a
+    whole head, base 10000, rms eps 1e-5); the caller adds the rest and :func:`_write` s it."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-test-{arch}")
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_blocks)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    return w
+
+
+def _write(w, path: Path) -> Path:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def make_tiny_llama(
     path: Path,
     *,
@@ -71,19 +98,9 @@ def make_tiny_llama(
     model close to a bigram model of its embeddings."""
     rng = np.random.default_rng(seed)
     hd = n_embd // n_head
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-test-llama")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w = _writer(path, "llama", n_ctx=n_ctx, n_embd=n_embd, n_blocks=n_layer, n_ff=n_ff, n_head=n_head,
+                n_head_kv=n_head_kv)
     w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocab(w, n_vocab, token_suffix, eos_id, chat_template)
 
     def r(*shape, scale=0.02):
@@ -106,11 +123,7 @@ def make_tiny_llama(
         noise = np.random.default_rng(seed + 1000).standard_normal(out_w.shape) * out_noise
         out_w = (out_w + noise).astype(np.float32)
     w.add_tensor("output.weight", out_w)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _write(w, path)
 
 
 def make_tiny_mimo2(
@@ -141,23 +154,13 @@ def make_tiny_mimo2(
     rng = np.random.default_rng(seed)
     hd = n_embd // n_head
     n_all = n_layer + n_nextn
-    w = gguf.GGUFWriter(str(path), "mimo2")
-    w.add_name("tiny-test-mimo2")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_all)
+    w = _writer(path, "mimo2", n_ctx=n_ctx, n_embd=n_embd, n_blocks=n_all, n_ff=n_ff, n_head=n_head,
+                n_head_kv=n_head_kv)
     w.add_nextn_predict_layers(n_nextn)
-    w.add_feed_forward_length(n_ff)
     w.add_expert_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
     w.add_sliding_window(4 * n_ctx)  # wider than any context: every layer attends to all
     w.add_sliding_window_pattern([b == 0 for b in range(n_all)])  # one "sliding" trunk layer is required
     w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocab(w, n_vocab, "", 2, chat_template)
 
     def r(*shape, scale=0.02):
@@ -186,11 +189,7 @@ def make_tiny_mimo2(
         w.add_tensor(f"blk.{b}.nextn.hnorm.weight", np.ones(n_embd, np.float32))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
     w.add_tensor("output.weight", r(n_vocab, n_embd, scale=1.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _write(w, path)
 
 
 def make_tiny_eagle3(
@@ -222,21 +221,9 @@ def make_tiny_eagle3(
     the row's position).  ``n_draft_vocab``: a smaller draft vocabulary (its own output matrix,
     the target's ids of its tokens in ``d2t``: every other third token)."""
     rng = np.random.default_rng(seed)
-    hd = n_embd // n_head
-    w = gguf.GGUFWriter(str(path), "eagle3")
-    w.add_name("tiny-test-eagle3")
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(1)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(hd)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
+    w = _writer(path, "eagle3", n_ctx=n_ctx, n_embd=n_embd, n_blocks=1, n_ff=n_ff, n_head=n_head, n_head_kv=n_head)
     w.add_array("eagle3.target_layers", [int(i) for i in target_layers])  # int32 (the gguf wheel lacks a helper)
     w.add_uint32("eagle3.target_hidden_size", target_embd)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
     _add_vocab(w, n_vocab, token_suffix, 2, None)
 
     def r(*shape, scale=0.02):
@@ -270,8 +257,4 @@ def make_tiny_eagle3(
         ids = np.arange(0, 3 * n_draft_vocab, 3, dtype=np.int64)[:n_draft_vocab]
         w.add_tensor("d2t", ids)
         w.add_tensor("output.weight", r(n_draft_vocab, n_embd, scale=1.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return _write(w, path)

@@ -57,7 +57,7 @@ def prepare(engine, rec: Record):
     (with the record's tools, a forced call adding its grammar: chat.tools), or the prompt."""
     if rec.messages is None:
         return rec.prompt, rec.config, None
-    if not rec.tools or rec.tool_choice.mode == "none":
+    if not rec.tools:
         return engine.chat_prompt(rec.messages), rec.config, None
     return engine.tool_prompt(rec.messages, rec.tools, rec.tool_choice, rec.config)
 

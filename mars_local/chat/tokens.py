@@ -183,8 +183,7 @@ def _special_tokens(model) -> tuple[list[tuple[str, int, bool, bool]], re.Patter
 def _has_special_text(model, text: str) -> bool:
     """Would special parsing find a control token in ``text``?  (llama.cpp
     matches their texts literally, so a text search answers exactly.)"""
-    pattern = _special_tokens(model)[1]
-    return pattern is not None and pattern.search(text) is not None
+    return special_text(model, text) is not None
 
 
 def special_text(model, text: str) -> str | None:

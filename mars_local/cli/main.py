@@ -255,11 +255,7 @@ def _run_tools(eng, text: str, system: Optional[str], cfg, tools, as_json: bool,
     from ..chat.tools import openai_calls, parse_tool_calls
 
     tools, tc = tools
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    if tc.mode == "none":
-        prompt_in, fmt = eng.chat_prompt(messages), None
-    else:
-        prompt_in, cfg, fmt = eng.tool_prompt(messages, tools, tc, cfg)
+    prompt_in, cfg, fmt = eng.tool_prompt(_messages(text, system), tools, tc, cfg)
     stream = eng.stream(prompt_in, cfg)
     try:
         parts, tokens, _ = _consume(stream, None)
@@ -275,10 +271,14 @@ def _run_tools(eng, text: str, system: Optional[str], cfg, tools, as_json: bool,
         echo(format_stats(stream.stats, choice, gen.context_line(eng)), err=True)
 
 
+def _messages(text: str, system: Optional[str]) -> list[dict]:
+    """PROMPT as a user turn, after the system prompt."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
 def _chat_prompt(eng, text: str, system: Optional[str]):
     """PROMPT as a user turn (after the system prompt) in the model's chat template."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return eng.chat_prompt(messages)
+    return eng.chat_prompt(_messages(text, system))
 
 
 def _consume(stream, show) -> tuple[list[str], list[int], list]:

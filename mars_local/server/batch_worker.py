@@ -89,7 +89,7 @@ class BatchWorker(Worker):
             self._done(job, "rejected", ("error", exc))
             return
         except MarsError as exc:
-            self._done(job, "rejected", ("error", ApiError(400, str(exc))))
+            self._done(job, "rejected", ("error", ApiError(400, str(exc), param=exc.field)))
             return
         job.stats = stream.stats
         job.emit("start", len(tokens))

@@ -34,7 +34,7 @@ from ..core.config import GenerateConfig
 from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
 
-__all__ = ["ApiError", "Request", "parse_chat", "parse_completion", "template_tools", "SPECULATIVE_KEYS"]
+__all__ = ["ApiError", "Request", "parse_chat", "parse_completion", "SPECULATIVE_KEYS"]
 
 SPECULATIVE_KEYS = ("enabled", "verify", "theta", "draft_max", "adaptive")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
@@ -345,7 +345,7 @@ def _tool_calls(where: str, calls: Any) -> list[dict] | None:
 
 def _tools(body: dict) -> dict:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls`` (chat.tools checks them)."""
-    from ..chat.tools import parse_tool_choice, parse_tools
+    from ..chat.tools import parse_parallel_tool_calls, parse_tool_choice, parse_tools
 
     raw, choice = body.get("tools"), body.get("tool_choice")
     if not raw:
@@ -354,18 +354,10 @@ def _tools(body: dict) -> dict:
         return {}
     try:
         tools = parse_tools(raw)
-        tool_choice = parse_tool_choice(choice, tools)
+        return {"tools": tools, "tool_choice": parse_tool_choice(choice, tools),
+                "parallel_tool_calls": parse_parallel_tool_calls(body.get("parallel_tool_calls"))}
     except MarsError as exc:
         raise ApiError(400, str(exc), param=exc.field or "tools") from None
-    parallel = _field(body, "parallel_tool_calls", (bool,))
-    return {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": True if parallel is None else parallel}
-
-
-def template_tools(req: Request) -> list[dict] | None:
-    """The request's tools as the chat template takes them, or None (chat.tools.template_tools)."""
-    from ..chat.tools import template_tools as shape
-
-    return shape(req.tools, req.tool_choice)
 
 
 def parse_chat(body: Any, defaults: GenerateConfig) -> Request:

@@ -24,22 +24,15 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import replace
 from typing import Any, Callable
 
 from ..chat.tokens import PromptTooLong, TokenizingCancelled
 from ..core.errors import MarsError
-from .requests import ApiError, Request, template_tools
+from .requests import ApiError, Request
 
 __all__ = ["Job", "Worker"]
 
 _ids = itertools.count(1)
-
-
-def _choice(req: Request):
-    from ..chat.tools import template_choice
-
-    return template_choice(req.tool_choice)
 
 
 class Job:
@@ -164,10 +157,8 @@ class Worker:
                 if not eng.has_chat_template:
                     raise ApiError(400, "the model has no chat template; start the server with --chat-template "
                                    "NAME|FILE or use /v1/completions", param="messages")
-                tools = template_tools(req)
-                if tools:
-                    self._tools(job, tools)
-                toks = eng.chat_prompt(req.messages, tools=tools, tool_choice=_choice(req), **bounds)
+                toks, job.config, job.tool_format = eng.tool_prompt(
+                    req.messages, req.tools, req.tool_choice, job.config, parallel=req.parallel_tool_calls, **bounds)
             else:
                 toks = eng.tokenize(req.prompt, **bounds) if isinstance(req.prompt, str) else list(req.prompt)
         except PromptTooLong as exc:
@@ -181,29 +172,6 @@ class Worker:
                            f"{eng.n_ctx}; shorten it or start the server with a larger -c", param=param,
                            code="context_length_exceeded")
         return toks
-
-    def _tools(self, job: Job, tools: list[dict]) -> None:
-        """A request the model may answer with tool calls: the template's call syntax (parsed
-        from the answer), and a forced call's grammar (chat.tools)."""
-        from ..chat.tool_grammar import tools_gbnf
-        from ..chat.tools import SUPPORTED_FORMATS
-
-        req = job.request
-        fmt = self.engine.tool_format()
-        if fmt not in SUPPORTED_FORMATS:
-            raise ApiError(400, "the model's chat template has no tool-call syntax mars-local can parse "
-                           f"(it knows {', '.join(SUPPORTED_FORMATS)}: Qwen2.5/3 and Hermes, Llama 3.1+, "
-                           "Mistral); start the server with --chat-template FILE for one that has", param="tools")
-        job.tool_format = fmt
-        if req.tool_choice.mode in ("required", "function"):
-            from ..speculate.grammar_check import check_grammar_text
-
-            try:
-                grammar = tools_gbnf(fmt, req.tools, req.tool_choice, req.parallel_tool_calls)
-                check_grammar_text(grammar)  # bounded work, as for any request's grammar
-            except MarsError as exc:
-                raise ApiError(400, f"'tools': {exc}", param="tools") from None
-            job.config = replace(job.config, grammar=grammar)
 
     def _pieces(self, chunk) -> dict[int, bytes] | None:
         """The bytes of every token a chunk's log probabilities name (llama.cpp is
@@ -228,7 +196,7 @@ class Worker:
         except ApiError as exc:
             return "rejected", ("error", exc)
         except MarsError as exc:
-            return "rejected", ("error", ApiError(400, str(exc)))
+            return "rejected", ("error", ApiError(400, str(exc), param=exc.field))
         job.stats = stream.stats
         job.emit("start", len(tokens))
         try:

@@ -106,29 +106,35 @@ class TargetAccess:
                             "remove it", field="tools")
         return WithTools(template, tools, tool_choice)
 
-    def tool_prompt(self, messages: Sequence[dict], tools, choice, config):
-        """(prompt tokens, config, call syntax) of a chat whose answer may call ``tools``
+    def tool_prompt(self, messages: Sequence[dict], tools, choice, config, *, parallel: bool = True, **bounds):
+        """(prompt tokens, config, call syntax or None) of a chat whose answer may call ``tools``
         (chat.tools.Tool) as ``choice`` (chat.tools.ToolChoice) allows: rendered with them, a
-        forced call (``required`` or a named function) constraining ``config`` with its grammar.
-        MarsError when the template has no call syntax mars-local can parse."""
+        forced call (``required`` or a named function; ``parallel``: one or more) constraining
+        ``config`` with its grammar; ``choice`` "none" renders no tools and parses nothing.
+        ``bounds`` go to :meth:`chat_prompt`.  MarsError (field "tools") when the template has no
+        call syntax mars-local can parse, or a forced call meets another grammar."""
         from dataclasses import replace
 
         from ..chat.tool_grammar import tools_gbnf
         from ..chat.tools import SUPPORTED_FORMATS, template_choice, template_tools
         from .grammar_check import check_grammar_text
 
+        if not tools or choice.mode == "none":
+            return self.chat_prompt(messages, **bounds), config, None
         fmt = self.tool_format()
         if fmt not in SUPPORTED_FORMATS:
             raise MarsError("the model's chat template has no tool-call syntax mars-local can parse (it knows "
-                            f"{', '.join(SUPPORTED_FORMATS)}); give one with --chat-template FILE")
+                            f"{', '.join(SUPPORTED_FORMATS)}: Qwen2.5/3 and Hermes, Llama 3.1+, Mistral); give one "
+                            "with --chat-template FILE", field="tools")
         if choice.mode in ("required", "function"):
             if config.grammar is not None:
                 raise MarsError("a tool choice that forces a call has its own grammar: leave out "
-                                "--grammar/--json-schema/--format (grammar/json_schema/format)")
-            grammar = tools_gbnf(fmt, tools, choice, True)
-            check_grammar_text(grammar)
+                                "--grammar/--json-schema/--format (grammar/json_schema/format)", field="tools")
+            grammar = tools_gbnf(fmt, tools, choice, parallel)
+            check_grammar_text(grammar)  # bounded work, as for any grammar
             config = replace(config, grammar=grammar)
-        prompt = self.chat_prompt(messages, tools=template_tools(tools, choice), tool_choice=template_choice(choice))
+        prompt = self.chat_prompt(messages, tools=template_tools(tools, choice), tool_choice=template_choice(choice),
+                                  **bounds)
         return prompt, config, fmt
 
     def tool_format(self) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from mars_local.speculate.batched import Scheduler
+from mars_local.speculate.drafters import HeadDrafter
 
 PROMPTS = ["hello world", "the a the hello", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 the end"]
 
@@ -13,6 +14,49 @@ PROMPTS = ["hello world", "the a the hello", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11
 def plain(e, prompt, n, **kw):
     e.reset()
     return e.generate(prompt, max_tokens=n, temperature=0, draft_max=0, ignore_eos=True, **kw).tokens
+
+
+def record_drafts(monkeypatch) -> list:
+    """(tokens, draft) of every proposal a HeadDrafter makes."""
+    seen = []
+    propose = HeadDrafter.propose
+
+    def recording(self, tokens, k, extend=None):
+        d = propose(self, tokens, k, extend)
+        seen.append((list(tokens), list(d.tokens)))
+        return d
+
+    monkeypatch.setattr(HeadDrafter, "propose", recording)
+    return seen
+
+
+def every_draft_is_a_fresh_heads(e, model, open_head, monkeypatch) -> None:
+    """Strict output is exact whatever the drafts are, so this checks the drafts themselves: each
+    round's draft of ``e`` (n_batch 16; after prompt chunks, rejected drafts rolled back, accepted
+    drafts evaluated again on the target's rows, and prefix reuse) equals the greedy chain that a
+    fresh context of the target ``model`` and ``open_head(context)`` (its head's contexts)
+    compute for the same tokens."""
+    from mars_local.llama.context import Context
+
+    seen = record_drafts(monkeypatch)
+    for prompt in (PROMPTS[2] * 2, PROMPTS[2] * 2 + " hello"):  # the second reuses the first's prefix
+        e.generate(prompt, max_tokens=40, temperature=0, verify="strict", draft_max=4, adaptive=False,
+                   ignore_eos=True)
+    assert len(seen) > 10 and any(len(d) == 4 for _, d in seen)
+    for tokens, draft in seen[::3]:
+        ctx = Context(model, n_ctx=512, n_batch=16, n_threads=2)
+        owner = open_head(ctx)
+        head = owner.seq(0)
+        try:
+            ctx.sync(tokens[:-1])
+            row, chain = head.eval(tokens, 1)[0], []
+            while len(chain) < len(draft):
+                chain.append(int(row.argmax()))
+                row = head.eval([chain[-1]], 1)[0]
+            assert chain == draft, len(tokens)
+        finally:
+            owner.close()
+            ctx.close()
 
 
 def strict_equals_plain(eng, k) -> None:

@@ -11,10 +11,9 @@ import pytest
 from helpers import invoke, one_error_line
 from mars_local import Engine, MarsError
 from mars_local.llama.eagle3 import check_eagle3_head
-from head_checks import (PROMPTS, exact_across_chunks_reuse_and_turns, many_sequences_stay_exact,
-                         mars_relaxes_only_the_runner_up, plain, sampling_has_the_plain_law, scheduler_first_drafts,
-                         strict_equals_plain)
-from mars_local.speculate.drafters import HeadDrafter
+from head_checks import (PROMPTS, every_draft_is_a_fresh_heads, exact_across_chunks_reuse_and_turns,
+                         many_sequences_stay_exact, mars_relaxes_only_the_runner_up, plain, record_drafts,
+                         sampling_has_the_plain_law, scheduler_first_drafts, strict_equals_plain)
 
 KW = dict(n_ctx=512, n_threads=2, learned=False)
 
@@ -35,20 +34,6 @@ def mimo2_target(tiny_dir):
     from tinymodels import make_tiny_mimo2
 
     return make_tiny_mimo2(tiny_dir / "eagle-mimo2-target.gguf", n_nextn=0, seed=5)
-
-
-def record_drafts(monkeypatch) -> list:
-    """(tokens, draft) of every proposal a HeadDrafter makes."""
-    seen = []
-    propose = HeadDrafter.propose
-
-    def recording(self, tokens, k, extend=None):
-        d = propose(self, tokens, k, extend)
-        seen.append((list(tokens), list(d.tokens)))
-        return d
-
-    monkeypatch.setattr(HeadDrafter, "propose", recording)
-    return seen
 
 
 # ------------------------------------------------------------------ which head fits which target
@@ -120,38 +105,14 @@ def test_exact_across_prompt_chunks_prefix_reuse_turns_and_a_limit_mid_window(pa
 
 
 def test_every_draft_is_the_one_a_fresh_head_makes_for_its_tokens(pair, monkeypatch):
-    """Each round's draft (after prompt chunks, rejected drafts rolled back, accepted drafts
-    evaluated again on the target's features, and prefix reuse) equals the greedy chain a fresh
-    target and head compute for the same tokens."""
-    from mars_local.llama.context import Context
     from mars_local.llama.eagle3 import open_eagle3
+    from contextlib import closing
+
     from mars_local.llama.runtime import Model
 
-    seen = record_drafts(monkeypatch)
-    with Engine(pair[0], pair[1], drafter="eagle3", n_batch=16, **KW) as e:
-        for prompt in (PROMPTS[2] * 2, PROMPTS[2] * 2 + " hello"):
-            e.generate(prompt, max_tokens=40, temperature=0, verify="strict", draft_max=4, adaptive=False,
-                       ignore_eos=True)
-    assert len(seen) > 10 and any(len(d) == 4 for _, d in seen)
-    m, h = Model(pair[0], 0, exact_kernels=True), Model(pair[1], 0)
-    try:
-        for tokens, draft in seen[::3]:
-            ctx = Context(m, n_ctx=512, n_batch=16, n_threads=2)
-            owner = open_eagle3(ctx, h)
-            head = owner.seq(0)
-            try:
-                ctx.sync(tokens[:-1])
-                row, chain = head.eval(tokens, 1)[0], []
-                while len(chain) < len(draft):
-                    chain.append(int(row.argmax()))
-                    row = head.eval([chain[-1]], 1)[0]
-                assert chain == draft, len(tokens)
-            finally:
-                owner.close()
-                ctx.close()
-    finally:
-        h.close()
-        m.close()
+    with Engine(pair[0], pair[1], drafter="eagle3", n_batch=16, **KW) as e, \
+            closing(Model(pair[0], 0, exact_kernels=True)) as m, closing(Model(pair[1], 0)) as h:
+        every_draft_is_a_fresh_heads(e, m, lambda ctx: open_eagle3(ctx, h), monkeypatch)
 
 
 # ------------------------------------------------------------------ what the head is fed

@@ -9,9 +9,9 @@ import pytest
 from helpers import invoke, one_error_line
 from mars_local import Engine, MarsError
 from mars_local.llama.mtp import check_mtp_model, mtp_layers
-from head_checks import (PROMPTS, exact_across_chunks_reuse_and_turns, many_sequences_stay_exact,
-                         mars_relaxes_only_the_runner_up, plain, sampling_has_the_plain_law, scheduler_first_drafts,
-                         strict_equals_plain)
+from head_checks import (PROMPTS, every_draft_is_a_fresh_heads, exact_across_chunks_reuse_and_turns,
+                         many_sequences_stay_exact, mars_relaxes_only_the_runner_up, plain, record_drafts,
+                         sampling_has_the_plain_law, scheduler_first_drafts, strict_equals_plain)
 
 
 
@@ -100,47 +100,14 @@ def test_many_sequences_draft_with_mtp_and_stay_exact(mimo2, n_parallel, n_promp
 
 
 def test_every_draft_is_the_one_a_fresh_mtp_context_makes_for_its_tokens(mimo2, monkeypatch):
-    """Strict output is exact whatever the drafts are, so this checks the drafts themselves: each
-    round's MTP draft (after prompt chunks, rollbacks of rejected drafts, accepted drafts evaluated
-    again with the target's hidden rows, and prefix reuse) equals the greedy chain a fresh target
-    and MTP context compute for the same tokens."""
-    from mars_local.llama.context import Context
     from mars_local.llama.mtp import open_mtp
+    from contextlib import closing
+
     from mars_local.llama.runtime import Model
-    from mars_local.speculate.drafters import HeadDrafter
 
-    seen = []
-    propose = HeadDrafter.propose
-
-    def recording(self, tokens, k, extend=None):
-        d = propose(self, tokens, k, extend)
-        seen.append((list(tokens), list(d.tokens)))
-        return d
-
-    monkeypatch.setattr(HeadDrafter, "propose", recording)
-    with Engine(mimo2[1], drafter="mtp", n_ctx=512, n_batch=16, n_threads=2, learned=False) as e:
-        for prompt in (PROMPTS[2] * 2, PROMPTS[2] * 2 + " hello"):  # the second reuses the first's prefix
-            e.generate(prompt, max_tokens=40, temperature=0, verify="strict", draft_max=4, adaptive=False,
-                       ignore_eos=True)
-    assert len(seen) > 10 and any(len(d) == 4 for _, d in seen)
-    m = Model(mimo2[1], 0, exact_kernels=True, load_mtp=True)
-    try:
-        for tokens, draft in seen[::3]:
-            ctx = Context(m, n_ctx=512, n_batch=16, n_threads=2)
-            owner = open_mtp(ctx)
-            mtp = owner.seq(0)
-            try:
-                ctx.sync(tokens[:-1])
-                row, chain = mtp.eval(tokens, 1)[0], []
-                while len(chain) < len(draft):
-                    chain.append(int(row.argmax()))
-                    row = mtp.eval([chain[-1]], 1)[0]
-                assert chain == draft, len(tokens)
-            finally:
-                owner.close()
-                ctx.close()
-    finally:
-        m.close()
+    with Engine(mimo2[1], drafter="mtp", n_ctx=512, n_batch=16, n_threads=2, learned=False) as e, \
+            closing(Model(mimo2[1], 0, exact_kernels=True, load_mtp=True)) as m:
+        every_draft_is_a_fresh_heads(e, m, open_mtp, monkeypatch)
 
 
 def test_the_mtp_layer_is_fed_the_target_hidden_row_of_the_position_before(tiny_dir, monkeypatch):
@@ -149,22 +116,13 @@ def test_the_mtp_layer_is_fed_the_target_hidden_row_of_the_position_before(tiny_
     after a greedy token must be that token again (fed the wrong row, it would not be)."""
     from tinymodels import make_tiny_mimo2
 
-    from mars_local.speculate.drafters import HeadDrafter
-
     path = make_tiny_mimo2(tiny_dir / "mimo2-reads-hidden.gguf", seed=5, mtp_reads="hidden", mtp_scale=0.001)
-    seen = []
-    propose = HeadDrafter.propose
-
-    def recording(self, tokens, k, extend=None):
-        d = propose(self, tokens, k, extend)
-        seen.append((tokens[-1], d.tokens[0] if d.tokens else None))
-        return d
-
-    monkeypatch.setattr(HeadDrafter, "propose", recording)
+    drafts = record_drafts(monkeypatch)
     with Engine(path, drafter="mtp", n_ctx=512, n_batch=16, n_threads=2, learned=False) as e:
         for prompt in PROMPTS:
             e.generate(prompt * 2, max_tokens=30, temperature=0, verify="strict", draft_max=3, adaptive=False,
                        ignore_eos=True)
+    seen = [(tokens[-1], d[0] if d else None) for tokens, d in drafts]
     assert len(seen) > 20
     assert sum(last == d0 for last, d0 in seen) >= 0.9 * len(seen), seen
 
