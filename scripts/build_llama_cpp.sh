@@ -23,8 +23,10 @@ PY="$VENV/bin/python"
 # token for token) needs a 1-row decode and a (k+1)-row verify window to sum
 # in the same order.  Stock llama.cpp serves batches of 2+ rows with
 # llamafile's sgemm (tinyBLAS) and single rows with ggml's dot kernels, which
-# differ in the last bits.  On x86, patches/0002 routes single rows through
-# tinyBLAS too, so llamafile stays on (fast verify windows and prefill); on
+# differ in the last bits.  On x86, patches/0002 routes single rows of F32/F16/
+# BF16 and Q8_0/Q4_0 weights through tinyBLAS too (other quantized types keep
+# ggml's dot kernels up to 64 rows), so llamafile stays on (verify windows and
+# prefill at stock speed: benchmarks/kernel_costs.py); on
 # other CPUs it is turned off, leaving ggml's dot kernels for every batch size.
 # patches/0003 keeps batches of up to 64 rows (every verify window) off the
 # paths whose summation order differs from a single row's: the tiled K-quant

@@ -102,6 +102,7 @@ def pull(
 
 def doctor_report() -> dict:
     from .. import __version__
+    from ..llama.kernels import kernel_paths
     from ..llama.runtime import backend_info
 
     info = backend_info()
@@ -129,6 +130,8 @@ def doctor_report() -> dict:
         "native_hot_path": native_ok,
         "verify_backend": "native" if native_ok else "numpy",
         "system_info": info["system_info"],
+        # which exact (batch-invariant) kernels a verify window and a plain step take, per weight type
+        "exact_kernels": kernel_paths(info["system_info"], info["backend"]),
         "registry": registry,
         "models": {
             r["name"]: all(p["present"] for p in [r["target"]] + ([r["draft"]] if r["draft"] else [])) for r in rows
@@ -247,6 +250,9 @@ def _doctor_lines(rep: dict, servers) -> list[str]:
                                             for n, k in rep["mtp_layers"].items() if k) or "none of them has MTP layers")
         + " (--drafter mtp)",
         f"system:               {rep['system_info']}",
+        "exact kernels:        one row and a verify window sum alike (strict == plain); costs vs stock: "
+        "benchmarks/kernel_costs.py",
+        *(f"  {types}: {path}" for types, path in rep["exact_kernels"].items()),
         f"learned state:        {len(learned['entries'])} entr{'y' if len(learned['entries']) == 1 else 'ies'}"
         f" in {learned['path']}" + (f" ({learned['problem']})" if learned["problem"] else "")
         + " (mars doctor --reset-learned forgets it)",

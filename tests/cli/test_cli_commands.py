@@ -311,8 +311,13 @@ def test_doctor_json():
     assert rep["llama_cpp_python"] == "0.3.36"
     assert rep["models"]["smollm2-135m"] is True
     assert rep["mtp_layers"]["smollm2-135m"] == 0  # read from the downloaded file's header
+    from mars_local.llama.kernels import kernel_paths
+
+    assert rep["exact_kernels"] == kernel_paths(rep["system_info"], rep["backend"]) and rep["exact_kernels"]
     text = invoke("doctor")
     assert text.exit_code == 0 and "backend:" in text.stdout and "MTP drafting:" in text.stdout
+    assert "exact kernels:" in text.stdout
+    assert all(f"  {types}: " in text.stdout for types in rep["exact_kernels"])
 
 
 @pytest.mark.slow

@@ -97,12 +97,29 @@ def smollm2_q8(smollm2_f16):
     return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q8_0.gguf", "LLAMA_FTYPE_MOSTLY_Q8_0")
 
 
-@pytest.mark.parametrize("which", ["smollm2", "smollm2_f16", "smollm2_q8", "smollm2_q4km"])
+@pytest.fixture(scope="module")
+def smollm2_q40(smollm2_f16):
+    from conftest import requantize
+
+    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q4_0.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0")
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16(smollm2_f16):
+    from conftest import requantize
+
+    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.BF16.gguf", "LLAMA_FTYPE_MOSTLY_BF16")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "smollm2_f16", "smollm2_bf16", "smollm2_q8", "smollm2_q40",
+                                   "smollm2_q4km"])
 def test_verify_windows_are_batch_invariant(which, request):
     """The kernel-level condition for lossless speculation: a row computed in a
     window of w rows (up to 17, across llama.cpp's 8-row switch to its tiled
-    K-quant kernel) is bit-identical to the same row computed alone.  Q4_K_M
-    mixes Q5_0/Q8_0 (llamafile's tinyBLAS) with Q4_K/Q6_K (vec_dot/tiled)."""
+    K-quant kernel) is bit-identical to the same row computed alone.  F16/BF16
+    and Q8_0/Q4_0 go through llamafile's tinyBLAS at every size (one row in
+    another tile shape than a window's: patches/0002); Q4_K_M mixes Q5_0/Q8_0
+    (tinyBLAS) with Q4_K/Q6_K (vec_dot up to 64 rows)."""
     from mars_local.llama.invariance import batch_invariance
 
     res = batch_invariance(request.getfixturevalue(which), windows=(2, 4, 8, 9, 17), n=34, n_threads=2)

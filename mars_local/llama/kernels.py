@@ -1,0 +1,41 @@
+"""Which CPU kernels the exact build runs, per weight type (what `mars doctor` reports).
+
+Strict greedy speculative output equals plain greedy output only if a row computed in a verify
+window of k+1 rows is bit-identical to the same row computed alone (a plain decoding step).  Stock
+llama.cpp sends those two through different kernels; our patches (patches/0002, 0003) choose, per
+weight type, kernels whose summation order does not depend on the batch size.  What each choice
+costs against stock llama.cpp is measured by ``benchmarks/kernel_costs.py`` (BENCHMARKS.md, one
+table per CPU).  This module only *describes* the choice for a build, from llama.cpp's system-info
+line; it loads nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["cpu_features", "kernel_paths"]
+
+
+def cpu_features(system_info: str) -> set[str]:
+    """The features a ``llama_print_system_info`` line reports as on (``AVX512 = 1 | ...``)."""
+    return {m.group(1).upper() for m in re.finditer(r"([A-Za-z0-9_]+)\s*=\s*1\b", system_info)}
+
+
+def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
+    """{weight types: the kernels one row and a verify window (2-64 rows) take} for this build."""
+    feats = cpu_features(system_info)
+    if backend != "cpu":
+        return {"all": f"{backend} kernels for offloaded layers: strict == plain is not guaranteed bit for bit "
+                       "there (the CPU rows below apply to layers left on the CPU)"}
+    x86 = bool(feats & {"AVX", "AVX2", "AVX512"})
+    if not (x86 and "LLAMAFILE" in feats):
+        return {"all": "ggml's dot kernels for every batch of up to 64 rows (exact; a window of k+1 rows "
+                       "costs about k+1 single rows), tiled kernels above (prompts)"}
+    tile = "8x1" if "AVX512" in feats else "1x1"
+    return {
+        "F16, BF16, F32": f"tinyBLAS at every batch size (one row in {tile} tiles; windows and prompts "
+                          "in stock's tiles, the same sum per element)",
+        "Q8_0, Q4_0": "tinyBLAS at every batch size (one accumulator per element whatever the tile)",
+        "K-quants, Q4_1, Q5_x, IQ": "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above; "
+                                    "weight repacking off (its 1-row and 4-row kernels differ)",
+    }

@@ -1,0 +1,36 @@
+"""`llama.kernels`: which exact kernels a build runs per weight type (what `mars doctor` shows)."""
+
+import pytest
+
+from mars_local.llama.kernels import cpu_features, kernel_paths
+
+ZEN4 = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
+        "AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
+AVX2 = "CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | LLAMAFILE = 1 | OPENMP = 1 |"
+NEON = "CPU : NEON = 1 | ARM_FMA = 1 | FP16_VA = 1 | DOTPROD = 1 | OPENMP = 1 | REPACK = 1 |"
+
+
+def test_cpu_features_reads_the_features_that_are_on():
+    assert cpu_features("AVX = 1 | AVX2 = 1 | AVX512 = 0 | LLAMAFILE = 1") == {"AVX", "AVX2", "LLAMAFILE"}
+    assert cpu_features("") == set()
+    assert "AVX512_BF16" in cpu_features(ZEN4) and "AVX512" in cpu_features(ZEN4)
+
+
+@pytest.mark.parametrize("info, tile", [(ZEN4, "8x1"), (AVX2, "1x1")])
+def test_x86_with_llamafile_names_the_tile_and_every_weight_family(info, tile):
+    paths = kernel_paths(info)
+    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0", "K-quants, Q4_1, Q5_x, IQ"}
+    assert f"{tile} tiles" in paths["F16, BF16, F32"]
+    assert "dot kernels up to 64 rows" in paths["K-quants, Q4_1, Q5_x, IQ"]
+    assert "repacking off" in paths["K-quants, Q4_1, Q5_x, IQ"]
+
+
+@pytest.mark.parametrize("info", [NEON, AVX2.replace("LLAMAFILE = 1", "LLAMAFILE = 0")])
+def test_without_llamafile_every_type_takes_the_dot_kernels(info):
+    paths = kernel_paths(info)
+    assert list(paths) == ["all"] and "dot kernels for every batch of up to 64 rows" in paths["all"]
+
+
+def test_a_gpu_backend_says_exactness_is_not_guaranteed_there():
+    paths = kernel_paths(ZEN4, backend="cuda")
+    assert list(paths) == ["all"] and "not guaranteed" in paths["all"] and paths["all"].startswith("cuda")
