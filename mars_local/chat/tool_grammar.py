@@ -10,7 +10,11 @@ import re
 from ..core.errors import MarsError
 from .tools import SUPPORTED_FORMATS, Tool, ToolChoice
 
-__all__ = ["call_schema", "tools_gbnf"]
+__all__ = ["call_schema", "tool_triggers", "tools_gbnf"]
+
+# The text that opens a call in each family's syntax: with tool_choice "auto" the grammar of the calls
+# waits for it (a lazy grammar) and constrains the rest of the answer from it on.
+_TRIGGERS = {"hermes": ("<tool_call>",), "llama3": ('{"name"',), "mistral": ("[TOOL_CALLS]",)}
 
 _REF = re.compile(r'"\$ref": "#(?:/(?:\$defs|definitions)/([^"]*))?"')
 # llama-cpp-python's converter lets a string hold raw control characters, which JSON forbids
@@ -55,15 +59,24 @@ def _lit(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
 
 
+def tool_triggers(fmt: str) -> tuple[str, ...]:
+    """The words that open a call in ``fmt``'s syntax (every :func:`tools_gbnf` output starts with one):
+    the triggers of the lazy grammar that constrains an "auto" answer once it starts a call."""
+    if fmt not in _TRIGGERS:
+        raise MarsError(f"unknown tool-call format {fmt!r} (known: {', '.join(SUPPORTED_FORMATS)})")
+    return _TRIGGERS[fmt]
+
+
 def tools_gbnf(fmt: str, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -> str:
     """A GBNF grammar whose every output is one call (``parallel``: one or more) in ``fmt``'s
-    syntax, to a tool ``choice`` allows: ``choice`` must be "required" or a named function (with
-    "auto" the model may answer in text, which no grammar can leave open).  Its cost is not
-    checked here: the caller bounds it as any grammar (``speculate.grammar_check``)."""
+    syntax, to a tool ``choice`` allows: "required" or "auto" (any tool) or a named function.
+    With "auto" the model may answer in text: the caller makes the grammar lazy, waiting for one
+    of :func:`tool_triggers`.  Its cost is not checked here: the caller bounds it as any grammar
+    (``speculate.grammar_check``)."""
     if fmt not in SUPPORTED_FORMATS:
         raise MarsError(f"unknown tool-call format {fmt!r} (known: {', '.join(SUPPORTED_FORMATS)})")
-    if choice.mode not in ("required", "function"):
-        raise MarsError(f"a grammar forces a call: 'tool_choice' must be 'required' or a function, "
+    if choice.mode not in ("required", "function", "auto"):
+        raise MarsError(f"a grammar of calls needs 'tool_choice' 'auto', 'required' or a function, "
                         f"got {choice.mode!r}", field="tool_choice")
     from ..llama.json_schema import schema_to_gbnf
 

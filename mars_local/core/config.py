@@ -50,14 +50,20 @@ class GenerateConfig:
     presence_penalty: float = DEFAULTS.presence_penalty
     frequency_penalty: float = DEFAULTS.frequency_penalty
     grammar: str | None = DEFAULTS.grammar  # GBNF text (see mars_local.speculate.grammar for JSON and JSON schemas)
+    # A lazy grammar: none of the output is constrained until one of these words appears in it; the
+    # grammar then applies from that word on (it must accept the word).  (): from the first token.
+    grammar_triggers: tuple[str, ...] = DEFAULTS.grammar_triggers
     logprobs: int = DEFAULTS.logprobs  # the target's top-N log probabilities at each emitted token (0: none)
 
     def __post_init__(self) -> None:
         for name in _CHECKED:  # one rule per field, in the table
             check(name, getattr(self, name))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "grammar_triggers", tuple(self.grammar_triggers))
         if self.grammar is not None and not self.grammar.strip():
             raise MarsError("the grammar is empty", field="grammar")
+        if self.grammar_triggers and self.grammar is None:
+            raise MarsError("grammar triggers need a grammar", field="grammar_triggers")
         if self.draft_min > self.draft_max:
             raise MarsError(f"draft-min must be in [0, draft-max={self.draft_max}], got {self.draft_min}",
                             field="draft_min", subject="draft-min")
@@ -91,7 +97,7 @@ class GenerateConfig:
 
 
 _CHECKED = ("max_tokens", "draft_max", "draft_min", "draft_p_min", "draft_sampling", "stop", "repeat_penalty",
-            "repeat_last_n", "presence_penalty", "frequency_penalty", "logprobs")
+            "repeat_last_n", "presence_penalty", "frequency_penalty", "logprobs", "grammar_triggers")
 
 
 @dataclass(frozen=True)

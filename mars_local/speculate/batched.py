@@ -125,7 +125,8 @@ class Scheduler:
         seed = cfg.sampling.base_seed()
         ctrl = eng._controller(cfg)
         stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
-        grammar = GrammarState(eng.target, cfg.grammar) if cfg.grammar is not None else None
+        grammar = (GrammarState(eng.target, cfg.grammar, triggers=cfg.grammar_triggers)
+                   if cfg.grammar is not None else None)
         controls = Controls(cfg, eng.target.eog_ids, grammar)
         run = _Run(tokens, cfg, cfg.verify_config(eng.target.eog_ids), seed, None, stats, ctrl,
                    controls=controls, stops=StopScanner(cfg.stop))

@@ -179,7 +179,8 @@ class Engine(TargetAccess):
         seed = cfg.sampling.base_seed()
         ctrl = self._controller(cfg)
         stats = SpecStats(n_prompt=len(tokens), adaptive=ctrl is not None)
-        grammar = GrammarState(self.target, cfg.grammar) if cfg.grammar is not None else None
+        grammar = (GrammarState(self.target, cfg.grammar, triggers=cfg.grammar_triggers)
+                   if cfg.grammar is not None else None)
         controls = Controls(cfg, self.target.eog_ids, grammar)
         run = _Run(tokens, cfg, vcfg, seed, self._make_drafter(cfg, seed, controls), stats, ctrl,
                    controls=controls, stops=StopScanner(cfg.stop))

@@ -107,8 +107,19 @@ def is_inline_json(value: str) -> bool:
 _stderr_lock = threading.Lock()
 
 
-def _init_grammar(C, vocab, text: bytes, root: bytes):
+_REGEX_SPECIAL = set("^$\\.*+?()[]{}|/")
+
+
+def trigger_pattern(word: str) -> str:
+    """The ECMAScript regex (std::regex) that finds ``word`` anywhere, in a group (llama.cpp's lazy
+    grammar applies from a trigger pattern's first group): only the regex syntax characters are
+    escaped, since std::regex rejects an escaped letter, digit or underscore (and aborts)."""
+    return "(" + "".join("\\" + ch if ch in _REGEX_SPECIAL else ch for ch in word) + ")"
+
+
+def _init_grammar(C, vocab, text: bytes, root: bytes, triggers: tuple[str, ...] = ()):
     """llama.cpp's grammar sampler for ``text``; MarsError with llama.cpp's reason when it refuses.
+    ``triggers`` (words) make it lazy: it constrains nothing until one of them appears in the output.
 
     llama.cpp's GBNF parser prints its errors (with the whole grammar) straight to the
     process's stderr, not through the log callback: file descriptor 2 goes to a temporary
@@ -120,7 +131,12 @@ def _init_grammar(C, vocab, text: bytes, root: bytes):
     with _stderr_lock:
         _recent_log.clear()
         with _captured_stderr() as captured:
-            handle = C.llama_sampler_init_grammar(vocab, text, root)
+            if triggers:
+                pats = [trigger_pattern(w).encode("utf-8") for w in triggers]
+                arr = (ctypes.c_char_p * len(pats))(*pats)
+                handle = C.llama_sampler_init_grammar_lazy_patterns(vocab, text, root, arr, len(pats), None, 0)
+            else:
+                handle = C.llama_sampler_init_grammar(vocab, text, root)
     said = captured.get("text", "")
     if handle:
         if said:
@@ -194,9 +210,13 @@ class GrammarState:
     draft, so rolling back is dropping the clone).  Accepting a token the
     grammar forbids, or an end-of-generation token, is a fatal error inside
     llama.cpp: callers accept only tokens :meth:`mask` left finite.
+
+    ``triggers`` (words) make the grammar lazy (llama.cpp's lazy grammar sampler): it masks
+    nothing until one of the words appears in the accepted text, then constrains the rest from
+    that word on (so the grammar must accept the word first), e.g. a tool call's ``<tool_call>``.
     """
 
-    def __init__(self, model, text: str | None = None, root: str = "root", *, _handle=None):
+    def __init__(self, model, text: str | None = None, root: str = "root", *, triggers=(), _handle=None):
         from ..llama.backend import C
 
         self._C, self.model = C, model
@@ -204,7 +224,7 @@ class GrammarState:
             check_grammar_text(text)
             if not isinstance(root, str) or not root.isascii() or not root:
                 raise MarsError(f"the grammar's root must be a rule name, got {root!r}")
-            _handle = _init_grammar(C, model.vocab, text.encode("utf-8"), root.encode("ascii"))
+            _handle = _init_grammar(C, model.vocab, text.encode("utf-8"), root.encode("ascii"), tuple(triggers))
         self._h = _handle
         n = model.n_vocab
         self._buf = np.zeros(n, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])

@@ -110,12 +110,14 @@ class TargetAccess:
         """(prompt tokens, config, call syntax or None) of a chat whose answer may call ``tools``
         (chat.tools.Tool) as ``choice`` (chat.tools.ToolChoice) allows: rendered with them, a
         forced call (``required`` or a named function; ``parallel``: one or more) constraining
-        ``config`` with its grammar; ``choice`` "none" renders no tools and parses nothing.
-        ``bounds`` go to :meth:`chat_prompt`.  MarsError (field "tools") when the template has no
-        call syntax mars-local can parse, or a forced call meets another grammar."""
+        ``config`` with its grammar; with "auto" the same grammar is lazy (``grammar_triggers``): the
+        answer is free text until it opens a call, then the call is constrained, unless ``config``
+        has a grammar of its own (which then applies alone); ``choice`` "none" renders no tools
+        and parses nothing.  ``bounds`` go to :meth:`chat_prompt`.  MarsError (field "tools") when
+        the template has no call syntax mars-local can parse, or a forced call meets another grammar."""
         from dataclasses import replace
 
-        from ..chat.tool_grammar import tools_gbnf
+        from ..chat.tool_grammar import tool_triggers, tools_gbnf
         from ..chat.tools import SUPPORTED_FORMATS, template_choice, template_tools
         from .grammar_check import check_grammar_text
 
@@ -126,13 +128,14 @@ class TargetAccess:
             raise MarsError("the model's chat template has no tool-call syntax mars-local can parse (it knows "
                             f"{', '.join(SUPPORTED_FORMATS)}: Qwen2.5/3 and Hermes, Llama 3.1+, Mistral); give one "
                             "with --chat-template FILE", field="tools")
-        if choice.mode in ("required", "function"):
-            if config.grammar is not None:
-                raise MarsError("a tool choice that forces a call has its own grammar: leave out "
-                                "--grammar/--json-schema/--format (grammar/json_schema/format)", field="tools")
+        if choice.mode in ("required", "function") and config.grammar is not None:
+            raise MarsError("a tool choice that forces a call has its own grammar: leave out "
+                            "--grammar/--json-schema/--format (grammar/json_schema/format)", field="tools")
+        if config.grammar is None:  # the calls' grammar; with "auto", waiting for a call to open
             grammar = tools_gbnf(fmt, tools, choice, parallel)
             check_grammar_text(grammar)  # bounded work, as for any grammar
-            config = replace(config, grammar=grammar)
+            lazy = tool_triggers(fmt) if choice.mode == "auto" else ()
+            config = replace(config, grammar=grammar, grammar_triggers=lazy)
         prompt = self.chat_prompt(messages, tools=template_tools(tools, choice), tool_choice=template_choice(choice),
                                   **bounds)
         return prompt, config, fmt

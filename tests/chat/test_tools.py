@@ -385,9 +385,9 @@ def model(request):
     return request.getfixturevalue("plain")
 
 
-def accepts(eng, gbnf: str, text: str) -> bool:
+def accepts(eng, gbnf: str, text: str, triggers=()) -> bool:
     """Whether llama.cpp's grammar sampler (on the tiny model's byte-level vocabulary) lets the
-    model write exactly ``text`` and then end."""
+    model write exactly ``text`` and then end (``triggers``: a lazy grammar's)."""
     import numpy as np
 
     from mars_local.speculate.grammar import GrammarState
@@ -396,7 +396,7 @@ def accepts(eng, gbnf: str, text: str) -> bool:
     toks = m.tokenize(text, add_special=False, parse_special=False)
     if toks and m.piece(toks[0]) == b" " and not text.startswith(" "):
         toks = toks[1:]  # the tokenizer's leading space
-    gs = GrammarState(m, gbnf)
+    gs = GrammarState(m, gbnf, triggers=triggers)
     try:
         for t in toks + [None]:
             row = np.zeros(m.n_vocab, np.float32)
@@ -435,6 +435,30 @@ def test_tools_gbnf_forces_calls_in_the_family_syntax(model, fmt, parallel):
     for text in (one, two, noop):  # what the grammar lets through parses back as calls
         content, calls = parse_tool_calls(fmt, text)
         assert content == "" and [c.name for c in calls] == re.findall(r"get_weather|noop", text)
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED_FORMATS)
+def test_an_auto_answer_is_free_until_it_opens_a_call_then_the_call_is_constrained(model, fmt):
+    """tool_choice auto: the calls' grammar made lazy by the family's trigger words."""
+    from mars_local.chat.tool_grammar import tool_triggers
+
+    one, two, noop = OUTPUTS[fmt]
+    g, trig = tools_gbnf(fmt, TOOLS, ToolChoice("auto"), True), tool_triggers(fmt)
+    assert all(any(out.startswith(t) for t in trig) for out in OUTPUTS[fmt])  # every call opens with one
+    for text in ("I will call a tool.", "no {braces} nor <tags> [here]", ""):
+        assert accepts(model, g, text, trig) and not accepts(model, g, text)  # free text, then the end
+    for call in (one, two, noop):
+        assert accepts(model, g, call, trig) and accepts(model, g, "Let me check. " + call, trig)
+    broken = one.replace("get_weather", "get_wheather")
+    assert not accepts(model, g, broken, trig)  # once the call opened, a wrong name is refused
+    assert not accepts(model, g, one + " and some more text", trig)  # after the calls: only the end
+
+
+def test_tool_triggers_of_an_unknown_format_are_refused():
+    from mars_local.chat.tool_grammar import tool_triggers
+
+    with pytest.raises(MarsError, match="unknown tool-call format 'xml'"):
+        tool_triggers("xml")
 
 
 def test_mistral_gbnf_takes_both_syntaxes(model):
@@ -485,8 +509,7 @@ def test_a_grammar_for_128_tools_compiles_fast(model):
 
 
 @pytest.mark.parametrize("fmt, choice, words", [
-    ("hermes", ToolChoice("auto"), "'tool_choice' must be 'required' or a function"),
-    ("hermes", ToolChoice("none"), "'tool_choice' must be 'required' or a function"),
+    ("hermes", ToolChoice("none"), "needs 'tool_choice' 'auto', 'required' or a function"),
     ("xml", ToolChoice("required"), "unknown tool-call format 'xml'"),
 ])
 def test_tools_gbnf_refuses_what_no_grammar_means(fmt, choice, words):

@@ -120,7 +120,16 @@ def test_a_forced_call_runs_with_the_call_grammar():
         required, named, auto = c.engine.configs
     assert "get_weather" in required.grammar and "get_time" in required.grammar
     assert "get_time" in named.grammar and "get_weather" not in named.grammar
-    assert auto.grammar is None
+    assert required.grammar_triggers == named.grammar_triggers == ()  # constrained from the first token
+    # auto: the same calls' grammar, lazy: it waits for the answer to open a call
+    assert auto.grammar == required.grammar and auto.grammar_triggers == ("<tool_call>",)
+
+
+def test_auto_with_a_grammar_of_its_own_keeps_it_alone():
+    with client(CALL) as c:
+        c.post("/v1/chat/completions", json={**ASK, "response_format": {"type": "json_object"}})
+        (cfg,) = c.engine.configs
+    assert "get_weather" not in cfg.grammar and cfg.grammar_triggers == ()
 
 
 # ------------------------------------------------------------------ a real (tiny) model

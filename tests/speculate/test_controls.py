@@ -168,6 +168,31 @@ def test_grammar_output_matches_and_strict_equals_plain(plain, spec, ngram):
     assert re.fullmatch(r"[abc]+\.?", mars.text), mars.text
 
 
+def test_a_lazy_grammar_leaves_the_text_free_until_its_trigger_then_constrains_it(plain, spec, ngram):
+    """grammar_triggers (tool_choice auto's calls): the output is the free output up to and including
+    the first trigger word, then only what the grammar allows; strict speculation equals plain."""
+    free = plain.generate(PROMPTS[0], max_tokens=40)
+    word = next(ch for ch in free.text[3:] if ch.isalpha())  # a letter the free text writes, not first
+    cut = free.text.index(word, 3) + 1
+    lazy = dict(grammar=f'root ::= "{word}" [0-9] [0-9] "."', grammar_triggers=(word,))
+    ref = plain.generate(PROMPTS[0], max_tokens=60, **lazy)
+    assert ref.text[:cut] == free.text[:cut], (ref.text, free.text)
+    assert re.fullmatch(r"[0-9]{2}\.", ref.text[cut:]), ref.text
+    from mars_local.speculate.batched import Scheduler
+
+    for eng in (spec, ngram):
+        out = eng.generate(PROMPTS[0], max_tokens=60, verify="strict", draft_max=4, **lazy)
+        assert out.tokens == ref.tokens
+        sch = Scheduler(eng, 3)  # the many-sequences engine, beside two free sequences
+        try:
+            many = sch.generate_many([PROMPTS[1], PROMPTS[0], PROMPTS[2]], max_tokens=60, verify="strict", **lazy)
+        finally:
+            sch.close()
+        assert many[1].tokens == ref.tokens
+    absent = plain.generate(PROMPTS[0], max_tokens=40, grammar='root ::= "@@" [0-9]', grammar_triggers=("@@",))
+    assert absent.tokens == free.tokens  # a trigger that never appears constrains nothing
+
+
 def test_a_draft_token_the_grammar_forbids_is_rejected(tiny_target):
     """A drafter that proposes only tokens the grammar forbids (through the engine's drafter seam):
     they reach the verifier as -inf logits and are never accepted, relaxed (MARS, theta 0.1) or not."""
