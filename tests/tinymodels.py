@@ -13,13 +13,15 @@ CHATML = (
 )
 
 
-def _add_vocab(w, n_vocab: int, token_suffix: str, eos_id: int, chat_template: str | None) -> None:
-    """A byte-fallback llama vocabulary of n_vocab tokens (control, bytes, ASCII, a few words, fillers)."""
+def _add_vocab(w, n_vocab: int, token_suffix: str, eos_id: int, chat_template: str | None,
+               extra_control: tuple[str, ...] = ()) -> None:
+    """A byte-fallback llama vocabulary of n_vocab tokens (control, bytes, ASCII, a few words, fillers;
+    ``extra_control``: more control tokens, after <|im_end|>)."""
     T = gguf.TokenType
     toks, types = ["<unk>", "<s>", "</s>"], [T.UNKNOWN, T.CONTROL, T.CONTROL]
     toks += [f"<0x{b:02X}>" for b in range(256)]
     types += [T.BYTE] * 256
-    for t in ("<|im_start|>", "<|im_end|>"):
+    for t in ("<|im_start|>", "<|im_end|>", *extra_control):
         toks.append(t)
         types.append(T.CONTROL)
     for t in ["\u2581"] + [chr(c) for c in range(33, 127)]:
@@ -91,6 +93,7 @@ def make_tiny_llama(
     eos_id: int = 2,
     token_suffix: str = "",
     block_scale: float = 0.3,
+    extra_control: tuple[str, ...] = (),
 ) -> Path:
     """Write a random model; the same seed with out_noise > 0 makes a 'draft'
     that agrees with the seed's model part of the time.  token_suffix changes
@@ -101,7 +104,7 @@ def make_tiny_llama(
     w = _writer(path, "llama", n_ctx=n_ctx, n_embd=n_embd, n_blocks=n_layer, n_ff=n_ff, n_head=n_head,
                 n_head_kv=n_head_kv)
     w.add_vocab_size(n_vocab)
-    _add_vocab(w, n_vocab, token_suffix, eos_id, chat_template)
+    _add_vocab(w, n_vocab, token_suffix, eos_id, chat_template, extra_control)
 
     def r(*shape, scale=0.02):
         return (rng.standard_normal(shape) * scale).astype(np.float32)

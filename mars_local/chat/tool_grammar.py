@@ -10,11 +10,15 @@ import re
 from ..core.errors import MarsError
 from .tools import SUPPORTED_FORMATS, Tool, ToolChoice
 
-__all__ = ["call_schema", "tool_triggers", "tools_gbnf"]
+__all__ = ["call_markers", "call_schema", "tool_triggers", "tools_gbnf"]
 
 # The text that opens a call in each family's syntax: with tool_choice "auto" the grammar of the calls
 # waits for it (a lazy grammar) and constrains the rest of the answer from it on.
 _TRIGGERS = {"hermes": ("<tool_call>",), "llama3": ('{"name"',), "mistral": ("[TOOL_CALLS]",)}
+# The markers of each family's calls that a GGUF may make control tokens (hidden from the text unless
+# named: GenerateConfig.visible_special), which the parsers need to see.
+_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|>",),
+            "mistral": ("[TOOL_CALLS]", "[ARGS]")}
 
 _REF = re.compile(r'"\$ref": "#(?:/(?:\$defs|definitions)/([^"]*))?"')
 # llama-cpp-python's converter lets a string hold raw control characters, which JSON forbids
@@ -65,6 +69,13 @@ def tool_triggers(fmt: str) -> tuple[str, ...]:
     if fmt not in _TRIGGERS:
         raise MarsError(f"unknown tool-call format {fmt!r} (known: {', '.join(SUPPORTED_FORMATS)})")
     return _TRIGGERS[fmt]
+
+
+def call_markers(fmt: str) -> tuple[str, ...]:
+    """The texts that mark calls in ``fmt``'s syntax: shown in the answer's text even where the model's
+    vocabulary makes them control tokens (Mistral's ``[TOOL_CALLS]``, Llama's ``<|python_tag|>``)."""
+    tool_triggers(fmt)  # the same check of the name
+    return _MARKERS[fmt]
 
 
 def tools_gbnf(fmt: str, tools: tuple[Tool, ...], choice: ToolChoice, parallel: bool) -> str:

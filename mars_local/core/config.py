@@ -53,6 +53,9 @@ class GenerateConfig:
     # A lazy grammar: none of the output is constrained until one of these words appears in it; the
     # grammar then applies from that word on (it must accept the word).  (): from the first token.
     grammar_triggers: tuple[str, ...] = DEFAULTS.grammar_triggers
+    # Control tokens whose text is one of these appear in the output text (a tool call's markers, e.g.
+    # Mistral's [TOOL_CALLS]); every other control token stays out of it.
+    visible_special: tuple[str, ...] = DEFAULTS.visible_special
     logprobs: int = DEFAULTS.logprobs  # the target's top-N log probabilities at each emitted token (0: none)
 
     def __post_init__(self) -> None:
@@ -60,6 +63,7 @@ class GenerateConfig:
             check(name, getattr(self, name))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "grammar_triggers", tuple(self.grammar_triggers))
+        object.__setattr__(self, "visible_special", tuple(self.visible_special))
         if self.grammar is not None and not self.grammar.strip():
             raise MarsError("the grammar is empty", field="grammar")
         if self.grammar_triggers and self.grammar is None:
@@ -97,7 +101,8 @@ class GenerateConfig:
 
 
 _CHECKED = ("max_tokens", "draft_max", "draft_min", "draft_p_min", "draft_sampling", "stop", "repeat_penalty",
-            "repeat_last_n", "presence_penalty", "frequency_penalty", "logprobs", "grammar_triggers")
+            "repeat_last_n", "presence_penalty", "frequency_penalty", "logprobs", "grammar_triggers",
+            "visible_special")
 
 
 @dataclass(frozen=True)

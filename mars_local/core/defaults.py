@@ -178,6 +178,7 @@ SETTINGS: dict[str, Setting] = {
     "frequency_penalty": Setting(0.0, finite=True, note="0.0 = off"),
     "grammar": Setting(None),
     "grammar_triggers": Setting((), strings=True),
+    "visible_special": Setting((), strings=True),
     "logprobs": Setting(0, lo=0, hi=20, integer=True),
     # ---- the engine and llama.cpp's context
     "n_ctx": Setting(4096, lo=0, hi=1 << 30, integer=True, unit="tokens", name="the context size",

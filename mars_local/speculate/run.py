@@ -13,7 +13,17 @@ from ..core.verify import VerifyConfig
 from .adaptive import AdaptiveK
 from .drafters import EMPTY_DRAFT, Draft, Drafter
 
-__all__ = ["Run"]
+__all__ = ["Run", "visible_tokens"]
+
+
+def visible_tokens(target, words) -> frozenset:
+    """The tokens that are one of ``words`` when special text is parsed (a control token's text)."""
+    out = set()
+    for w in words:
+        toks = target.tokenize(w, add_special=False, parse_special=True)
+        if len(toks) == 1:
+            out.add(toks[0])
+    return frozenset(out)
 
 
 @dataclass
@@ -34,6 +44,13 @@ class Run:
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
+    shown: frozenset | None = None  # the control tokens whose text is shown (cfg.visible_special), once known
+
+    def pieces(self, target, tokens) -> list[bytes]:
+        """The UTF-8 pieces of ``tokens``: control tokens hidden, but those cfg.visible_special names."""
+        if self.shown is None:
+            self.shown = visible_tokens(target, self.cfg.visible_special)
+        return [target.piece(t, special=t in self.shown) for t in tokens]
 
     def text(self, pieces: list[bytes]) -> tuple[str, int]:
         """The text of new tokens (their UTF-8 ``pieces``) that may be shown now, and how
@@ -73,7 +90,7 @@ class Run:
                 new, kinds, stop = new[:i], kinds[:i], "eog"
                 break
         self.controls.commit(new)
-        text, n = self.text([target.piece(t) for t in new])
+        text, n = self.text(self.pieces(target, new))
         if self.stops.stopped:
             new, kinds, stop = new[:n], kinds[:n], "stop"
         if k is None:

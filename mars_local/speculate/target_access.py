@@ -117,7 +117,7 @@ class TargetAccess:
         the template has no call syntax mars-local can parse, or a forced call meets another grammar."""
         from dataclasses import replace
 
-        from ..chat.tool_grammar import tool_triggers, tools_gbnf
+        from ..chat.tool_grammar import call_markers, tool_triggers, tools_gbnf
         from ..chat.tools import SUPPORTED_FORMATS, template_choice, template_tools
         from .grammar_check import check_grammar_text
 
@@ -131,6 +131,7 @@ class TargetAccess:
         if choice.mode in ("required", "function") and config.grammar is not None:
             raise MarsError("a tool choice that forces a call has its own grammar: leave out "
                             "--grammar/--json-schema/--format (grammar/json_schema/format)", field="tools")
+        config = replace(config, visible_special=call_markers(fmt))  # the parser must see them
         if config.grammar is None:  # the calls' grammar; with "auto", waiting for a call to open
             grammar = tools_gbnf(fmt, tools, choice, parallel)
             check_grammar_text(grammar)  # bounded work, as for any grammar

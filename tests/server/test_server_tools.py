@@ -123,6 +123,7 @@ def test_a_forced_call_runs_with_the_call_grammar():
     assert required.grammar_triggers == named.grammar_triggers == ()  # constrained from the first token
     # auto: the same calls' grammar, lazy: it waits for the answer to open a call
     assert auto.grammar == required.grammar and auto.grammar_triggers == ("<tool_call>",)
+    assert {c.visible_special for c in (required, named, auto)} == {("<tool_call>", "</tool_call>")}
 
 
 def test_auto_with_a_grammar_of_its_own_keeps_it_alone():
@@ -266,3 +267,38 @@ def test_mars_batch_records_with_tools(tiny_target, tmp_path):
     bad.write_text(json.dumps({"id": 1, "prompt": "hi", "tools": ASK["tools"]}) + "\n")
     r = invoke("batch", bad, "-o", tmp_path / "o.jsonl", "-m", tiny_target, "--strict")
     assert r.exit_code != 0 and "needs 'messages'" in one_error_line(r)
+
+
+MISTRAL = ("{%- for m in messages %}{%- if m.role == 'user' %}{%- if tools and loop.last %}[AVAILABLE_TOOLS]"
+           "{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}[INST]{{ m.content }}[/INST]"
+           "{%- elif m.role == 'assistant' %}{%- if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}"
+           "{%- else %}{{ m.content }}{%- endif %}</s>{%- endif %}{%- endfor %}")
+
+
+@pytest.mark.slow
+def test_mistral_calls_parse_where_tool_calls_is_a_control_token(tmp_path):
+    """A GGUF whose [TOOL_CALLS] and [ARGS] are control tokens, as Mistral's are: forced calls at T = 1
+    parse whether the model wrote the control token or the same text in bytes (the grammar allows
+    both), since the call markers are shown in the answer's text."""
+    from mars_local import Engine
+    from mars_local.chat.tools import parse_tool_calls, parse_tool_choice, parse_tools
+    from mars_local.core.config import GenerateConfig
+    from tinymodels import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "mistral.gguf", seed=3, extra_control=("[TOOL_CALLS]", "[ARGS]"))
+    tools = parse_tools([WEATHER, TIME])
+    with Engine(path, chat_template=MISTRAL, n_ctx=1024, n_threads=2, learned=False) as eng:
+        assert eng.tool_format() == "mistral"
+        (tc,) = eng.tokenize("[TOOL_CALLS]", add_special=False, parse_special=True)
+        assert eng.piece(tc) == b""  # hidden unless asked for
+        by_control = 0
+        for i in range(30):
+            prompt, cfg, fmt = eng.tool_prompt(ASK["messages"], tools, parse_tool_choice("required", tools),
+                                               GenerateConfig.make(temperature=1.0, seed=i, max_tokens=120),
+                                               parallel=False)
+            out = eng.generate(prompt, cfg)
+            content, calls = parse_tool_calls(fmt, out.text)
+            assert len(calls) == 1 and content == "", out.text
+            assert calls[0].name in ("get_weather", "get_time")
+            by_control += tc in out.tokens
+    assert by_control > 0  # the control token's path was taken

@@ -193,6 +193,22 @@ def test_a_lazy_grammar_leaves_the_text_free_until_its_trigger_then_constrains_i
     assert absent.tokens == free.tokens  # a trigger that never appears constrains nothing
 
 
+def test_visible_special_shows_the_control_tokens_it_names_and_only_those(plain, spec):
+    """A tool call's markers may be control tokens (Mistral's [TOOL_CALLS]): visible_special puts their
+    text into the output (plain and speculative, streamed and whole); other control tokens stay out."""
+    (start,) = plain.tokenize("<|im_start|>", add_special=False, parse_special=True)
+    assert plain.piece(start) == b"" and plain.piece(start, special=True) == b"<|im_start|>"  # a control token
+    forced = f'root ::= <[{start}]> "ab" <[{start}]> "."'
+    for eng in (plain, spec):
+        hidden = eng.generate(PROMPTS[0], max_tokens=10, grammar=forced, verify="strict")
+        shown = eng.generate(PROMPTS[0], max_tokens=10, grammar=forced, verify="strict",
+                             visible_special=("<|im_start|>", "[TOOL_CALLS]"))
+        assert hidden.tokens == shown.tokens and hidden.tokens.count(start) == 2
+        assert hidden.text == "ab." and shown.text == "<|im_start|>ab<|im_start|>."
+        chunks = eng.stream(PROMPTS[0], max_tokens=10, grammar=forced, visible_special=("<|im_start|>",))
+        assert "".join(c.text for c in chunks) == shown.text
+
+
 def test_a_draft_token_the_grammar_forbids_is_rejected(tiny_target):
     """A drafter that proposes only tokens the grammar forbids (through the engine's drafter seam):
     they reach the verifier as -inf logits and are never accepted, relaxed (MARS, theta 0.1) or not."""
