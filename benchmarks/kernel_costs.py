@@ -75,13 +75,13 @@ def exact_lib_dir() -> Path:
 
 
 def bench(binary: Path, model: Path, threads: int, windows, prompt: int, depth: int, reps: int,
-          exact_lib: Path | None) -> dict[str, float]:
+          exact_lib: Path | None, repack: bool = False) -> dict[str, float]:
     """{test: ms per forward} from one llama-bench run."""
     env = dict(os.environ)
     args = [str(binary), "-m", str(model), "-t", str(threads), "-r", str(reps), "-o", "json"]
     if exact_lib:
         env["LD_LIBRARY_PATH"] = f"{exact_lib}:{env.get('LD_LIBRARY_PATH', '')}"
-        args += ["--repack", "0"]
+        args += ["--repack", "1" if repack else "0"]
     out: dict[str, float] = {}
     runs = [["-p", ",".join(str(w) for w in windows), "-n", "8", "-d", str(depth)],
             ["-p", str(prompt), "-n", "0"]]
@@ -113,6 +113,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-cpp-bin", type=Path, default=cache_dir() / "llama-bin")
     ap.add_argument("--exact-lib", type=Path, default=None,
                     help="the patched ggml/llama libraries (default: the installed llama-cpp-python's)")
+    ap.add_argument("--exact-repack", default="",
+                    help="weight types whose exact side loads repacked (as mars-local does where it measured "
+                         "the repacked kernels exact on this machine: speculate/repack.py), e.g. Q4_0")
     ap.add_argument("--json", type=Path, help="write the raw figures here")
     a = ap.parse_args(argv)
     binary = a.llama_cpp_bin / "llama-bench"
@@ -126,13 +129,14 @@ def main(argv=None) -> int:
         return 2
     windows = [int(w) for w in a.windows.split(",")]
     exact_lib = a.exact_lib or exact_lib_dir()
+    repacked = {t.strip() for t in a.exact_repack.split(",") if t.strip()}
     models = wide_models(types, a.layers)
     raw: dict[str, dict[str, dict[str, list[float]]]] = {t: {"stock": {}, "exact": {}} for t in types}
     for r in range(a.rounds):
         for t in types:
             for side in ("stock", "exact"):
                 res = bench(binary, models[t], a.threads, windows, a.prompt, a.depth, a.reps,
-                            exact_lib if side == "exact" else None)
+                            exact_lib if side == "exact" else None, t in repacked)
                 for test, ms in res.items():
                     raw[t][side].setdefault(test, []).append(ms)
                 print(f"round {r + 1} {t:7s} {side:5s} " + "  ".join(f"{k}: {v:.1f}" for k, v in res.items()),

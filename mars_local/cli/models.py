@@ -156,6 +156,9 @@ def _learned_summary(v: dict) -> str:
     if "draft" in v:
         t, n = v["draft"]
         return f"draft cost {1e3 * t / n:.1f} ms/token" if n else "draft cost (none yet)"
+    if "invariant" in v:
+        return ("repacked weights exact on this CPU: the target loads repacked" if v["invariant"]
+                else "repacked weights not exact on this CPU: the target loads without repacking")
     if "counts" in v:
         pool = next((c for c in v["counts"] if c[0] == "__pooled__"), None)
         acc = f", pooled acceptance {pool[1] / (pool[1] + pool[2]):.0%}" if pool and pool[1] + pool[2] else ""

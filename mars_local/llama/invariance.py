@@ -12,7 +12,7 @@ import numpy as np
 from .context import Context
 from .runtime import Model
 
-__all__ = ["batch_invariance"]
+__all__ = ["batch_invariance", "model_invariance"]
 
 
 def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48, exact_kernels: bool = True,
@@ -27,6 +27,15 @@ def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48
     {window: (rows that differ bit for bit, largest absolute difference)}.
     """
     m = Model(path, 0, exact_kernels=exact_kernels)
+    try:
+        return model_invariance(m, windows, n, n_threads, prompt)
+    finally:
+        m.close()
+
+
+def model_invariance(m: Model, windows=(2, 5, 9, 17), n: int = 48, n_threads: int | None = None,
+                     prompt: str = "The history of the printing press begins") -> dict[int, tuple[int, float]]:
+    """:func:`batch_invariance` of a loaded model (a context of its own, closed after)."""
     toks = m.tokenize(prompt)
     ctx = Context(m, n_ctx=max(256, len(toks) + n + 64), n_threads=n_threads)
     try:
@@ -51,4 +60,3 @@ def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48
         return out
     finally:
         ctx.close()
-        m.close()

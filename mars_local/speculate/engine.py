@@ -36,6 +36,7 @@ from .run import Run as _Run
 from .target_access import TargetAccess
 from .grammar import GrammarState
 from .learned import LearnedStore, default_store
+from .repack import load_exact_target
 from ..llama.rpc import placement
 from ..llama.context import Context
 from ..llama.eagle3 import check_eagle3_head, open_eagle3
@@ -104,8 +105,12 @@ class Engine(TargetAccess):
             check_mtp_model(target)
         elif drafter == "eagle3":  # before loading: a head that does not fit its target would abort too
             check_eagle3_head(draft, target)
-        self.target = Model(target, n_gpu_layers, exact_kernels=exact_kernels, devices=target_devs,
-                            tensor_split=tensor_split, load_mtp=drafter == "mtp")
+        store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
+        target_kw = dict(devices=target_devs, tensor_split=tensor_split, load_mtp=drafter == "mtp")
+        if exact_kernels:  # repacked weights only where this machine measured them exact (speculate.repack)
+            self.target = load_exact_target(target, n_gpu_layers, store, n_threads=n_threads, **target_kw)
+        else:
+            self.target = Model(target, n_gpu_layers, exact_kernels=False, **target_kw)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
         if drafter != "none" and self.target.recurrent:
@@ -133,13 +138,12 @@ class Engine(TargetAccess):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min
         NgramDrafter(ngram_max, ngram_min)  # validates the sizes
         device = f"t{self._ctx.n_threads}|{kv_type}|fa{flash_attn}" + (f"|rpc={rpc}" if rpc else "")
-        self.controllers = self._open_controllers(learned, target, draft, device, n_gpu_layers, n_gpu_layers_draft)
+        self.controllers = self._open_controllers(store, target, draft, device, n_gpu_layers, n_gpu_layers_draft)
         self._controller_factory, self._drafter_factory = controller, drafter_factory
 
-    def _open_controllers(self, learned, target, draft, device: str, n_gpu_layers, n_gpu_layers_draft) -> Controllers:
+    def _open_controllers(self, store, target, draft, device: str, n_gpu_layers, n_gpu_layers_draft) -> Controllers:
         """What the adaptive controllers learn is kept between processes (mars_local.speculate.learned),
         keyed by what it depends on: the models, the drafter, the build and the device settings."""
-        store = (learned if isinstance(learned, LearnedStore) else default_store()) if learned else None
         keys = learned_keys(
             target, draft, self.drafter_kind, (self.ngram_max, self.ngram_min), build=build_fingerprint(),
             device=device, n_gpu_layers=n_gpu_layers, n_gpu_layers_draft=n_gpu_layers_draft,

@@ -181,3 +181,44 @@ def test_the_last_token_riding_in_the_prompt_chunk_is_computed_as_alone(which, r
                 b.close()
     finally:
         m.close()
+
+
+# ------------------------------------------------------------------ repacked weights, where measured exact
+@pytest.mark.parametrize("which", ["smollm2_q40", "smollm2_q4km"])
+def test_an_exact_target_is_repacked_only_where_this_machine_measured_it_invariant(which, request, smollm2,
+                                                                                  tmp_path, monkeypatch):
+    """speculate.repack: the first load measures the repacked kernels on this CPU and build (windows
+    of 2, 5, 9 rows against single rows), keeps the verdict, and loads repacked only if no row differed;
+    strict greedy still equals plain greedy; the second load reuses the verdict without measuring."""
+    from mars_local.llama.invariance import batch_invariance
+    from mars_local.speculate import repack
+    from mars_local.speculate.learned import LearnedStore
+
+    path = request.getfixturevalue(which)
+    measured = batch_invariance(path, windows=repack.PROBE_WINDOWS, n=repack.PROBE_TOKENS, exact_kernels=False)
+    invariant = all(d == 0 for d, _ in measured.values())
+    store = LearnedStore(tmp_path / "learned.json")
+    with Engine(path, smollm2, n_ctx=512, learned=store) as pair:
+        verdict = store.get(repack.repack_key(path))
+        assert verdict["invariant"] is invariant, (verdict, measured)
+        assert verdict["windows"] == {str(w): d for w, (d, _) in measured.items()}
+        monkeypatch.setattr(repack, "model_invariance", lambda *a, **k: pytest.fail("measured twice"))
+        with Engine(path, n_ctx=512, learned=LearnedStore(tmp_path / "learned.json")) as plain:
+            for prompt in PROMPTS[:2]:
+                ref = plain.generate(prompt, max_tokens=N)  # one row per step, the same kernels
+                out = pair.generate(prompt, max_tokens=N, verify="strict", draft_max=8, adaptive=False)
+                assert out.tokens == ref.tokens, prompt
+
+
+def test_float_targets_and_engines_without_learned_state_are_not_measured(smollm2_f16, smollm2_q40, tmp_path,
+                                                                          monkeypatch):
+    from mars_local.speculate import repack
+    from mars_local.speculate.learned import LearnedStore
+
+    monkeypatch.setattr(repack, "model_invariance", lambda *a, **k: pytest.fail("measured"))
+    store = LearnedStore(tmp_path / "learned.json")
+    with Engine(smollm2_f16, n_ctx=256, learned=store):
+        pass
+    with Engine(smollm2_q40, n_ctx=256, learned=False):
+        pass
+    assert store.get(repack.repack_key(smollm2_f16)) is None
