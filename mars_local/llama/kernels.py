@@ -35,7 +35,9 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     return {
         "F16, BF16, F32": f"tinyBLAS at every batch size (one row in {tile} tiles; windows and prompts "
                           "in stock's tiles, the same sum per element)",
-        "Q8_0, Q4_0": "tinyBLAS at every batch size (one accumulator per element whatever the tile)",
-        "K-quants, Q4_1, Q5_x, IQ": "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above; "
-                                    "weight repacking off (its 1-row and 4-row kernels differ)",
+        "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
+                                    "the tile)",
+        "K-quants, Q4_1, Q5_1, other IQ": "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
+        "repacked weights": "used for a quantized target only where its first load measured them exact on "
+                            "this CPU and build (learned state below; e.g. Q4_0 on a Zen 4, not Q4_K)",
     }

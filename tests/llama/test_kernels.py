@@ -19,10 +19,11 @@ def test_cpu_features_reads_the_features_that_are_on():
 @pytest.mark.parametrize("info, tile", [(ZEN4, "8x1"), (AVX2, "1x1")])
 def test_x86_with_llamafile_names_the_tile_and_every_weight_family(info, tile):
     paths = kernel_paths(info)
-    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0", "K-quants, Q4_1, Q5_x, IQ"}
+    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0, Q5_0, IQ4_NL", "K-quants, Q4_1, Q5_1, other IQ",
+                          "repacked weights"}
     assert f"{tile} tiles" in paths["F16, BF16, F32"]
-    assert "dot kernels up to 64 rows" in paths["K-quants, Q4_1, Q5_x, IQ"]
-    assert "repacking off" in paths["K-quants, Q4_1, Q5_x, IQ"]
+    assert "dot kernels up to 64 rows" in paths["K-quants, Q4_1, Q5_1, other IQ"]
+    assert "measured them exact" in paths["repacked weights"]
 
 
 @pytest.mark.parametrize("info", [NEON, AVX2.replace("LLAMAFILE = 1", "LLAMAFILE = 0")])

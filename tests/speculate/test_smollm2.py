@@ -105,6 +105,20 @@ def smollm2_q40(smollm2_f16):
 
 
 @pytest.fixture(scope="module")
+def smollm2_q50(smollm2_f16):
+    from conftest import requantize
+
+    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q5_0.gguf", "LLAMA_FTYPE_MOSTLY_Q5_0")
+
+
+@pytest.fixture(scope="module")
+def smollm2_iq4nl(smollm2_f16):
+    from conftest import requantize
+
+    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.IQ4_NL.gguf", "LLAMA_FTYPE_MOSTLY_IQ4_NL")
+
+
+@pytest.fixture(scope="module")
 def smollm2_bf16(smollm2_f16):
     from conftest import requantize
 
@@ -112,12 +126,12 @@ def smollm2_bf16(smollm2_f16):
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_f16", "smollm2_bf16", "smollm2_q8", "smollm2_q40",
-                                   "smollm2_q4km"])
+                                   "smollm2_q50", "smollm2_iq4nl", "smollm2_q4km"])
 def test_verify_windows_are_batch_invariant(which, request):
     """The kernel-level condition for lossless speculation: a row computed in a
     window of w rows (up to 17, across llama.cpp's 8-row switch to its tiled
     K-quant kernel) is bit-identical to the same row computed alone.  F16/BF16
-    and Q8_0/Q4_0 go through llamafile's tinyBLAS at every size (one row in
+    and Q8_0/Q4_0/Q5_0/IQ4_NL go through llamafile's tinyBLAS at every size (one row in
     another tile shape than a window's: patches/0002); Q4_K_M mixes Q5_0/Q8_0
     (tinyBLAS) with Q4_K/Q6_K (vec_dot up to 64 rows)."""
     from mars_local.llama.invariance import batch_invariance
