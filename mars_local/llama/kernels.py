@@ -31,9 +31,8 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     if not (x86 and "LLAMAFILE" in feats):
         return {"all": "ggml's dot kernels for every batch of up to 64 rows (exact; a window of k+1 rows "
                        "costs about k+1 single rows), tiled kernels above (prompts)"}
-    tile = "8x1" if "AVX512" in feats else "1x1"
     return {
-        "F16, BF16, F32": f"tinyBLAS at every batch size (one row in {tile} tiles; windows and prompts "
+        "F16, BF16, F32": "tinyBLAS at every batch size (one row in 8x1 tiles; windows and prompts "
                           "in stock's tiles, the same sum per element)",
         "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
                                     "the tile)",
