@@ -90,39 +90,22 @@ def test_chat_prompt_and_stop_on_end_of_turn(q41):
     assert out.text.strip() and "<|im_end|>" not in out.text
 
 
-@pytest.fixture(scope="module")
-def smollm2_q8(smollm2_f16):
-    from conftest import requantize
+def _requantized(name: str, kind: str):
+    """A module fixture ``name``: SmolLM2's F16 requantized to ``kind`` (a LLAMA_FTYPE_MOSTLY_ suffix)."""
+    @pytest.fixture(scope="module", name=name)
+    def fixture(smollm2_f16):
+        from conftest import requantize
 
-    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q8_0.gguf", "LLAMA_FTYPE_MOSTLY_Q8_0")
+        return requantize(smollm2_f16, f"SmolLM2-135M-Instruct.{kind}.gguf", f"LLAMA_FTYPE_MOSTLY_{kind}")
 
-
-@pytest.fixture(scope="module")
-def smollm2_q40(smollm2_f16):
-    from conftest import requantize
-
-    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q4_0.gguf", "LLAMA_FTYPE_MOSTLY_Q4_0")
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def smollm2_q50(smollm2_f16):
-    from conftest import requantize
-
-    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.Q5_0.gguf", "LLAMA_FTYPE_MOSTLY_Q5_0")
-
-
-@pytest.fixture(scope="module")
-def smollm2_iq4nl(smollm2_f16):
-    from conftest import requantize
-
-    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.IQ4_NL.gguf", "LLAMA_FTYPE_MOSTLY_IQ4_NL")
-
-
-@pytest.fixture(scope="module")
-def smollm2_bf16(smollm2_f16):
-    from conftest import requantize
-
-    return requantize(smollm2_f16, "SmolLM2-135M-Instruct.BF16.gguf", "LLAMA_FTYPE_MOSTLY_BF16")
+smollm2_q8 = _requantized("smollm2_q8", "Q8_0")
+smollm2_q40 = _requantized("smollm2_q40", "Q4_0")
+smollm2_q50 = _requantized("smollm2_q50", "Q5_0")
+smollm2_iq4nl = _requantized("smollm2_iq4nl", "IQ4_NL")
+smollm2_bf16 = _requantized("smollm2_bf16", "BF16")
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_f16", "smollm2_bf16", "smollm2_q8", "smollm2_q40",
