@@ -94,11 +94,14 @@ def make_tiny_llama(
     token_suffix: str = "",
     block_scale: float = 0.3,
     extra_control: tuple[str, ...] = (),
+    like: Path | None = None,
 ) -> Path:
     """Write a random model; the same seed with out_noise > 0 makes a 'draft'
     that agrees with the seed's model part of the time.  token_suffix changes
     token texts (to build a vocabulary-mismatched pair).  A small block_scale makes the
-    model close to a bigram model of its embeddings."""
+    model close to a bigram model of its embeddings; ``like``: a tiny model of another
+    architecture whose token embeddings and output matrix this one takes (with a small
+    block_scale, a draft agreeing with it where both are close to that bigram model)."""
     rng = np.random.default_rng(seed)
     hd = n_embd // n_head
     w = _writer(path, "llama", n_ctx=n_ctx, n_embd=n_embd, n_blocks=n_layer, n_ff=n_ff, n_head=n_head,
@@ -109,7 +112,11 @@ def make_tiny_llama(
     def r(*shape, scale=0.02):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", r(n_vocab, n_embd, scale=1.0))
+    shared = {}
+    if like is not None:
+        shared = {t.name: np.array(t.data, np.float32).reshape(n_vocab, n_embd)
+                  for t in gguf.GGUFReader(str(like)).tensors if t.name in ("token_embd.weight", "output.weight")}
+    w.add_tensor("token_embd.weight", shared.get("token_embd.weight", r(n_vocab, n_embd, scale=1.0)))
     for b in range(n_layer):
         w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(n_embd, np.float32))
         w.add_tensor(f"blk.{b}.attn_q.weight", r(n_head * hd, n_embd, scale=block_scale))
@@ -121,7 +128,7 @@ def make_tiny_llama(
         w.add_tensor(f"blk.{b}.ffn_up.weight", r(n_ff, n_embd, scale=block_scale))
         w.add_tensor(f"blk.{b}.ffn_down.weight", r(n_embd, n_ff, scale=block_scale))
     w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    out_w = r(n_vocab, n_embd, scale=out_scale)
+    out_w = shared.get("output.weight", r(n_vocab, n_embd, scale=out_scale))
     if out_noise:
         noise = np.random.default_rng(seed + 1000).standard_normal(out_w.shape) * out_noise
         out_w = (out_w + noise).astype(np.float32)
@@ -260,4 +267,93 @@ def make_tiny_eagle3(
         ids = np.arange(0, 3 * n_draft_vocab, 3, dtype=np.int64)[:n_draft_vocab]
         w.add_tensor("d2t", ids)
         w.add_tensor("output.weight", r(n_draft_vocab, n_embd, scale=1.0))
+    return _write(w, path)
+
+
+def make_tiny_qwen35(
+    path: Path,
+    *,
+    n_nextn: int = 0,
+    n_vocab: int = 384,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_layer: int = 4,
+    full_attention_interval: int = 2,
+    n_ff: int = 128,
+    n_ctx: int = 1024,
+    seed: int = 0,
+    trunk_scale: float = 0.06,
+    mtp_noise: float = 0.005,
+    chat_template: str | None = CHATML,
+) -> Path:
+    """A hybrid qwen35 model: of its ``n_layer`` trunk layers every ``full_attention_interval``-th is
+    a gated full-attention layer, the others gated delta-net (recurrent) layers whose state lives in
+    llama.cpp's recurrent memory (src/models/qwen35.cpp), then ``n_nextn`` MTP (nextn) blocks.  Small
+    block weights keep the trunk close to a bigram model of its embeddings (as make_tiny_mimo2), so an
+    MTP block with eh_proj = [I | noise] agrees with it part of the time."""
+    rng = np.random.default_rng(seed)
+    hd = n_embd // n_head  # attention head size; also the delta net's key/value head size
+    n_k_heads, n_v_heads = 2, 4
+    key_dim, value_dim = hd * n_k_heads, hd * n_v_heads
+    d_conv, n_all = 4, n_layer + n_nextn
+    w = _writer(path, "qwen35", n_ctx=n_ctx, n_embd=n_embd, n_blocks=n_all, n_ff=n_ff, n_head=n_head,
+                n_head_kv=n_head_kv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_sections([hd // 2 - hd // 4, hd // 4, 0, 0])  # imrope: sums to n_rot / 2
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(value_dim)
+    w.add_ssm_state_size(hd)
+    w.add_ssm_time_step_rank(n_v_heads)
+    w.add_ssm_group_count(n_k_heads)
+    w.add_uint32("qwen35.full_attention_interval", full_attention_interval)
+    if n_nextn:
+        w.add_nextn_predict_layers(n_nextn)
+    w.add_vocab_size(n_vocab)
+    _add_vocab(w, n_vocab, "", 2, chat_template)
+
+    def r(*shape, scale=0.02):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def common(b: int, s: float) -> None:
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.post_attention_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.ffn_gate.weight", r(n_ff, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.ffn_up.weight", r(n_ff, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.ffn_down.weight", r(n_embd, n_ff, scale=s))
+
+    def attention(b: int, s: float) -> None:
+        w.add_tensor(f"blk.{b}.attn_q.weight", r(2 * n_head * hd, n_embd, scale=s))  # query and gate
+        w.add_tensor(f"blk.{b}.attn_k.weight", r(n_head_kv * hd, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.attn_v.weight", r(n_head_kv * hd, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.attn_output.weight", r(n_embd, n_head * hd, scale=s))
+        w.add_tensor(f"blk.{b}.attn_q_norm.weight", np.ones(hd, np.float32))
+        w.add_tensor(f"blk.{b}.attn_k_norm.weight", np.ones(hd, np.float32))
+
+    def delta_net(b: int, s: float) -> None:
+        w.add_tensor(f"blk.{b}.attn_qkv.weight", r(2 * key_dim + value_dim, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.attn_gate.weight", r(value_dim, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.ssm_conv1d.weight", r(2 * key_dim + value_dim, d_conv, scale=0.5))
+        w.add_tensor(f"blk.{b}.ssm_dt.bias", r(n_v_heads, scale=0.5))
+        w.add_tensor(f"blk.{b}.ssm_a", -np.exp(r(n_v_heads, scale=0.5)))  # negative: a decaying state
+        w.add_tensor(f"blk.{b}.ssm_beta.weight", r(n_v_heads, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.ssm_alpha.weight", r(n_v_heads, n_embd, scale=s))
+        w.add_tensor(f"blk.{b}.ssm_norm.weight", np.ones(hd, np.float32))
+        w.add_tensor(f"blk.{b}.ssm_out.weight", r(n_embd, value_dim, scale=s))
+
+    w.add_tensor("token_embd.weight", r(n_vocab, n_embd, scale=1.0))
+    for b in range(n_layer):
+        common(b, trunk_scale)
+        (attention if (b + 1) % full_attention_interval == 0 else delta_net)(b, trunk_scale)
+    for b in range(n_layer, n_all):
+        common(b, trunk_scale)
+        attention(b, trunk_scale)
+        eh = np.concatenate([np.eye(n_embd, dtype=np.float32), r(n_embd, n_embd, scale=mtp_noise)], axis=1)
+        w.add_tensor(f"blk.{b}.nextn.eh_proj.weight", eh)
+        w.add_tensor(f"blk.{b}.nextn.enorm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.nextn.hnorm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{b}.nextn.shared_head_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    w.add_tensor("output.weight", r(n_vocab, n_embd, scale=1.0))
     return _write(w, path)

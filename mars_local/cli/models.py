@@ -156,6 +156,8 @@ def _learned_summary(v: dict) -> str:
     if "draft" in v:
         t, n = v["draft"]
         return f"draft cost {1e3 * t / n:.1f} ms/token" if n else "draft cost (none yet)"
+    if v.get("recurrent"):
+        return "a recurrent target: loads without repacking (its state cannot be probed)"
     if "invariant" in v:
         return ("repacked weights exact on this CPU: the target loads repacked" if v["invariant"]
                 else "repacked weights not exact on this CPU: the target loads without repacking")

@@ -16,6 +16,7 @@ from ..core.tokens import common_prefix_len
 from .backend import C
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
+from .recurrent import Rollback
 from .runtime import Model, default_threads
 
 __all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "available_memory", "KV_TYPES",
@@ -148,6 +149,8 @@ def context_params(model: Model, n_ctx, n_batch: int = DEFAULTS.n_batch, n_threa
     if flash_attn is not None:
         cp.flash_attn_type = 1 if flash_attn else 0
     cp.type_k = cp.type_v = KV_TYPES[kv_type]
+    if model.rollback_depth:  # recurrent states kept for a rollback of a draft (llama/recurrent.py)
+        cp.n_rs_seq = model.rollback_depth
     return cp, _CtxInfo(requested, n_ctx, n_batch, threads, kv_bytes)
 
 
@@ -219,6 +222,8 @@ class Context(OwnsContext):
         self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(n_batch,))
         self.tokens: list[int] = []  # mirror of the KV cache, positions 0..len-1
         self.hidden: np.ndarray | None = None  # (n_ctx, n_embd) last hidden rows by position, when captured
+        # a recurrent target: how far its state can be rolled back (None: cells, any prefix)
+        self._rollback = Rollback(int(C.llama_n_rs_seq(self._ctx))) if model.recurrent else None
 
     @property
     def n_past(self) -> int:
@@ -245,11 +250,17 @@ class Context(OwnsContext):
         self._batch.n_tokens = n
         rc = C.llama_decode(self._ctx, self._batch)
         if rc != 0:
-            # llama.cpp removed this batch's positions; keep the mirror in step.
-            C.llama_memory_seq_rm(self.mem, 0, start, -1)
+            # llama.cpp removed this batch's positions; keep the mirror in step (a recurrent
+            # state may have moved on in part: dropped whole)
+            C.llama_memory_seq_rm(self.mem, 0, 0 if self._rollback else start, -1)
+            if self._rollback:
+                self._rollback.cleared()
+                self.tokens.clear()
             if rc == 1:
                 raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
             raise RuntimeError(f"llama_decode failed with code {rc}")
+        if self._rollback:
+            self._rollback.decoded(n)
         if self.hidden is not None:
             self.hidden[start:start + n] = self._read_hidden(n)
         self.tokens.extend(int(t) for t in tokens)
@@ -277,14 +288,30 @@ class Context(OwnsContext):
         return self.logits(min(n_out, len(rest))) if n_out else None
 
     def truncate(self, n_keep: int) -> None:
-        """Drop every cached position >= n_keep (KV rollback)."""
+        """Drop every cached position >= n_keep (KV rollback).  A recurrent model's state goes
+        back only a few tokens into its last decode (llama/recurrent.py): further, the whole
+        sequence is dropped, and ``n_past`` is 0 afterwards (the next sync evaluates it again)."""
         if n_keep >= len(self.tokens):
             return
         if not self._ctx:
             raise MarsError("this context was closed")
+        rb = self._rollback
+        if rb is not None and not rb.allows(len(self.tokens) - n_keep):
+            C.llama_memory_seq_rm(self.mem, 0, 0, -1)
+            rb.cleared()
+            self.tokens.clear()
+            return
         if not C.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
             raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
+        if rb is not None:
+            rb.rolled_back()
         del self.tokens[n_keep:]
+
+    def reachable(self, n_keep: int) -> int:
+        """How many cached positions a :meth:`truncate` to ``n_keep`` keeps."""
+        n = min(n_keep, len(self.tokens))
+        rb = self._rollback
+        return n if rb is None or n == len(self.tokens) or rb.allows(len(self.tokens) - n) else 0
 
     def sync(self, tokens) -> int:
         """Make the cache hold exactly ``tokens``, reusing the common prefix.
@@ -321,8 +348,10 @@ class Context(OwnsContext):
         # update) can leave the cache longer than the mirror: trust the cache.
         pos_max = int(C.llama_memory_seq_pos_max(self.mem, 0))
         if pos_max + 1 != len(self.tokens):
-            C.llama_memory_seq_rm(self.mem, 0, min(len(self.tokens), pos_max + 1), -1)
-            del self.tokens[pos_max + 1 :]
-        keep = common_prefix_len(self.tokens, tokens)
-        self.truncate(keep)
-        return list(tokens[keep:])
+            cut = 0 if self._rollback else min(len(self.tokens), pos_max + 1)  # a recurrent state: whole
+            C.llama_memory_seq_rm(self.mem, 0, cut, -1)
+            del self.tokens[cut if self._rollback else pos_max + 1 :]
+            if self._rollback:
+                self._rollback.cleared()
+        self.truncate(common_prefix_len(self.tokens, tokens))
+        return list(tokens[len(self.tokens):])  # (a recurrent state may keep less: truncate)

@@ -37,6 +37,7 @@ from ..core.errors import MarsError
 from .backend import C
 from .context import Context
 from .gguf_file import check_gguf_file, gguf_metadata
+from .recurrent import supports_rollback
 from .streams import MultiContext, SeqView
 
 __all__ = ["MtpContext", "MtpView", "open_mtp", "mtp_layers", "check_mtp_model", "MTP_ARCHS", "RECURRENT_MTP_ARCHS"]
@@ -46,7 +47,8 @@ MTP_ARCHS = frozenset({
     "bailingmoe3", "cohere2moe", "deepseek2", "deepseek32", "deepseek4", "glm-dsa", "glm4moe", "glm5-next",
     "hy-v3", "mimo2", "nemotron_h_moe", "qwen35", "qwen35moe", "qwen3next", "step35",
 })
-# of those, hybrid models with recurrent layers: rolling their state back needs n_rs_seq snapshots
+# of those, hybrid models with recurrent layers: rolling their state back needs n_rs_seq snapshots,
+# which llama.cpp keeps for some of them (llama/recurrent.py; not qwen3next)
 RECURRENT_MTP_ARCHS = frozenset({"qwen35", "qwen35moe", "qwen3next", "nemotron_h_moe"})
 
 
@@ -70,14 +72,14 @@ def check_mtp_model(path: str | Path) -> int:
             f"{name} has no multi-token-prediction (nextn) layers, so --drafter mtp cannot draft with it; "
             "use a model that ships them (e.g. MiMo, GLM-4.5, Qwen3.5 MTP GGUFs), a draft model "
             "(-md DRAFT.gguf) or --drafter ngram", field="drafter")
-    if arch in RECURRENT_MTP_ARCHS:
+    if arch in RECURRENT_MTP_ARCHS and not supports_rollback(arch):
         raise MarsError(
-            f"{name} ({arch}) has recurrent layers: rolling their state back after a rejected draft is "
-            "not supported yet, so --drafter mtp (and any speculation) cannot run on it; use --no-draft",
-            field="drafter")
+            f"{name} ({arch}) has recurrent layers whose state llama.cpp cannot roll back after a rejected "
+            "draft, so --drafter mtp (and any speculation) cannot run on it; use --no-draft", field="drafter")
     if arch not in MTP_ARCHS:
         raise MarsError(f"{name}: llama.cpp cannot run the nextn layers of {arch or 'unknown'} models "
-                        f"(it can for {', '.join(sorted(MTP_ARCHS - RECURRENT_MTP_ARCHS))})", field="drafter")
+                        f"(it can for {', '.join(sorted(m for m in MTP_ARCHS if m not in RECURRENT_MTP_ARCHS or supports_rollback(m)))})",
+                        field="drafter")
     return n
 
 

@@ -18,6 +18,7 @@ from .backend import C, LLAMA_CPP_PYTHON_VERSION, init_backend
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
 from .gguf_file import check_gguf_file
+from .recurrent import ROLLBACK_DEPTH, supports_rollback
 
 __all__ = ["Model", "check_vocab_compatible", "backend_info", "build_fingerprint"]
 
@@ -185,6 +186,10 @@ class Model:
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))
         self.n_embd = int(C.llama_model_n_embd(self._model))
         self.recurrent = bool(C.llama_model_is_recurrent(self._model) or C.llama_model_is_hybrid(self._model))
+        self.arch = self.meta("general.architecture") or ""
+        # a recurrent state llama.cpp can roll back a few tokens (llama/recurrent.py); 0: no rollback
+        # at all (a recurrent model of another arch), None: a model without recurrent layers
+        self.rollback_depth = None if not self.recurrent else (ROLLBACK_DEPTH if supports_rollback(self.arch) else 0)
         self.add_bos = bool(C.llama_vocab_get_add_bos(self.vocab))
         self.bos = int(C.llama_vocab_bos(self.vocab))
         self.eos = int(C.llama_vocab_eos(self.vocab))

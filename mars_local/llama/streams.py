@@ -47,6 +47,7 @@ from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
 from .context import MAX_INVARIANT_ROWS, OwnsContext, context_params, create_context, hidden_rows
+from .recurrent import Rollback
 from .runtime import Model
 
 __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView", "exact_reuse"]
@@ -106,6 +107,10 @@ class MultiContext(OwnsContext):
         if configure is not None:
             configure(cp)
         self._ctx = create_context(model, cp, info)
+        # a recurrent state per sequence, rolled back a few tokens at most (llama/recurrent.py); an
+        # MTP context of a hybrid model holds its nextn layers' KV cells only
+        self._rs_depth = (int(C.llama_n_rs_seq(self._ctx))
+                          if model.recurrent and cp.ctx_type != C.LLAMA_CONTEXT_TYPE_MTP else None)
         self.n_seq = n_seq
         self.unified = unified
         # tokens per sequence (shared cells when unified: each may use the share it would have)
@@ -198,13 +203,20 @@ class MultiContext(OwnsContext):
             self.n_decodes += 1
             if rc != 0:
                 for s, _, _ in parts:  # llama.cpp removed this batch's positions; keep the mirrors in step
-                    C.llama_memory_seq_rm(self.mem, s, self._cell(len(self.seqs[s].tokens)), -1)
+                    view = self.seqs[s]
+                    if view._rollback is not None:  # a recurrent state may have moved on in part: whole
+                        view._drop_all()
+                    else:
+                        C.llama_memory_seq_rm(self.mem, s, self._cell(len(view.tokens)), -1)
                 if rc == 1:
                     raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
                 raise RuntimeError(f"llama_decode failed with code {rc}")
         self._decoded(layout, i)
         for s, toks, _ in parts:
-            self.seqs[s].tokens.extend(int(t) for t in toks)
+            view = self.seqs[s]
+            view.tokens.extend(int(t) for t in toks)
+            if view._rollback is not None:
+                view._rollback.decoded(len(toks))
         return got
 
     def _cell(self, p: int) -> int:
@@ -277,8 +289,8 @@ class MultiContext(OwnsContext):
         streams whole, at the start of the next decode), then drop what lies past ``n``; a
         unified cache shares the cells (no data moves)."""
         a, b = self.seqs[src], self.seqs[dst]
-        if not 0 < n <= a.n_past or src == dst:
-            raise ValueError(f"cannot copy {n} cells of sequence {src} into {dst}")
+        if not 0 < n <= a.n_past or src == dst or (a._rollback is not None and n != a.n_past):
+            raise ValueError(f"cannot copy {n} cells of sequence {src} into {dst}")  # (a state: whole)
         C.llama_memory_seq_rm(self.mem, dst, 0, -1)
         if self.unified:
             C.llama_memory_seq_cp(self.mem, src, dst, 0, self._cell(n))
@@ -286,6 +298,8 @@ class MultiContext(OwnsContext):
             C.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
             C.llama_memory_seq_rm(self.mem, dst, self._cell(n), -1)
         b.tokens = a.tokens[:n]
+        if b._rollback is not None:
+            b._rollback.cleared()  # its state was copied, not decoded: no snapshot to go back to
         if a.hidden is not None:
             b.hidden[:n] = a.hidden[:n]
 
@@ -297,6 +311,7 @@ class SeqView:
         self.owner, self.seq_id = owner, seq_id
         self.tokens: list[int] = []  # mirror of this sequence's cells, positions 0..len-1
         self.hidden: np.ndarray | None = None  # (n_ctx, n_embd) hidden rows by position (capture_hidden)
+        self._rollback = None if owner._rs_depth is None else Rollback(owner._rs_depth)
 
     @property
     def n_past(self) -> int:
@@ -329,12 +344,30 @@ class SeqView:
         return self.owner._rows(n, first) if n else None
 
     def truncate(self, n_keep: int) -> None:
-        """Drop this sequence's positions >= n_keep (KV rollback)."""
+        """Drop this sequence's positions >= n_keep (KV rollback); a recurrent state that cannot
+        go back that far is dropped whole (as :meth:`Context.truncate`)."""
         if n_keep >= len(self.tokens):
+            return
+        rb = self._rollback
+        if rb is not None and not rb.allows(len(self.tokens) - n_keep):
+            self._drop_all()
             return
         if not C.llama_memory_seq_rm(self.owner.mem, self.seq_id, self.owner._cell(n_keep), -1):
             raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
+        if rb is not None:
+            rb.rolled_back()
         del self.tokens[n_keep:]
+
+    def reachable(self, n_keep: int) -> int:
+        """How many of this sequence's positions a :meth:`truncate` to ``n_keep`` keeps."""
+        n = min(n_keep, len(self.tokens))
+        rb = self._rollback
+        return n if rb is None or n == len(self.tokens) or rb.allows(len(self.tokens) - n) else 0
+
+    def _drop_all(self) -> None:
+        C.llama_memory_seq_rm(self.owner.mem, self.seq_id, 0, -1)
+        self.tokens.clear()
+        self._rollback.cleared()
 
     def sync(self, tokens) -> int:
         """Make this sequence hold exactly ``tokens``, reusing the common prefix; tokens evaluated."""

@@ -181,6 +181,7 @@ class Scheduler:
             self._free.remove(slot)
             s.view = self.mc.seq(slot)
             s.view.truncate(kept)  # the prefix its previous sequence left, as far as it is exact
+            kept = s.view.n_past  # (a recurrent state may keep less: llama/recurrent.py)
             self._prompt_len[slot] = len(prompt)
             s.dview = self.dmc.seq(slot) if self.dmc is not None else None
             if s.dview is not None:  # the draft's numerics never change strict output: any common prefix
@@ -205,7 +206,7 @@ class Scheduler:
             view = self.mc.seq(slot)
             if not view.tokens:
                 continue
-            m = exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch)
+            m = view.reachable(exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch))
             if m > n:
                 best, n = slot, m
         return best, n
@@ -253,6 +254,8 @@ class Scheduler:
         rate = self._prefill_rate[0] / self._prefill_rate[1] if self._prefill_rate[1] > 0 else 0.0
         if best is None or n - have < 8 or (n - have) * rate <= self._copy_s:
             return
+        if self.eng.target.recurrent and n != self.mc.seq(best).n_past:
+            return  # a recurrent state is copied whole (llama/recurrent.py)
         self.mc.copy_prefix(best, s.view.seq_id, n)
         s.pending = list(prompt[n:])
         if s.dview is not None:
@@ -264,7 +267,7 @@ class Scheduler:
     def _calibrate(self, s: _Seq) -> None:
         """Time forwards of a few row counts once, on top of a live sequence's cells
         (rolled back after each): the round's choice needs the cost curve."""
-        base, last = s.view.n_past, s.run.tokens[-1]
+        base, last, held = s.view.n_past, s.run.tokens[-1], list(s.view.tokens)
         for rows in CALIBRATION_ROWS:
             if base + rows >= s.view.n_ctx:
                 break
@@ -273,6 +276,7 @@ class Scheduler:
                 self.mc.decode_windows([(s.view.seq_id, [last] * rows)])
                 self.cost.observe(rows, time.perf_counter() - t0)
                 s.view.truncate(base)
+        s.view.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
         self.calibrated = True
 
     def _round(self, seqs: list[_Seq]) -> None:
@@ -428,8 +432,14 @@ class Scheduler:
             self._end(s)
 
     # ------------------------------------------------- per-sequence steps
+    @property
+    def _k_limit(self) -> int:
+        """The longest draft: windows within the invariant bound, and (a recurrent target) whose
+        rejection its state can roll back (llama/recurrent.py)."""
+        return min(MAX_INVARIANT_ROWS - 1, self.eng.target.rollback_depth or MAX_INVARIANT_ROWS)
+
     def _draft_cap(self, s: _Seq) -> int | None:
-        cap = s.run.draft_cap(s.view, MAX_INVARIANT_ROWS - 1)
+        cap = s.run.draft_cap(s.view, self._k_limit)
         if cap is None:
             self._end(s)
         return cap

@@ -116,7 +116,7 @@ def calibrate(ctrl: AdaptiveK, ctx, last: int) -> float:
         return 0.0
     clock = time.perf_counter
     t_start = clock()
-    base = ctx.n_past
+    base, held = ctx.n_past, list(ctx.tokens)
     sizes = [w for w in CALIBRATION_WINDOWS if w <= ctrl.k_max + 1] + [ctrl.k_max + 1]
     for w in sorted(set(sizes)):
         if base + w >= ctx.n_ctx:
@@ -126,4 +126,7 @@ def calibrate(ctrl: AdaptiveK, ctx, last: int) -> float:
             ctx.eval([last] * w, n_out=w)
             ctrl.observe_forward(w, clock() - t0)
             ctx.truncate(base)
+    # a recurrent target's state cannot go back over a whole window (llama/recurrent.py): it was
+    # dropped, and is evaluated again (once per model and machine, as the calibration itself)
+    ctx.sync(held)
     return clock() - t_start

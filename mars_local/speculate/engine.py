@@ -113,10 +113,10 @@ class Engine(TargetAccess):
             self.target = Model(target, n_gpu_layers, exact_kernels=False, **target_kw)
         ctx_opts = dict(n_batch=n_batch, n_threads=n_threads, flash_attn=flash_attn, kv_type=kv_type)
         self._ctx = Context(self.target, n_ctx=n_ctx, **ctx_opts)
-        if drafter != "none" and self.target.recurrent:
+        if drafter != "none" and self.target.rollback_depth == 0:
             raise MarsError(
-                "the target is a recurrent/hybrid model whose cache cannot be rolled back; "
-                "speculative decoding is not supported for it (use --no-draft)"
+                f"the target is a recurrent/hybrid model ({self.target.arch}) whose state llama.cpp cannot roll "
+                "back; speculative decoding is not supported for it (use --no-draft)"
             )
         self.draft_model: Model | None = None
         self._draft_ctx: Context | None = None
@@ -223,8 +223,9 @@ class Engine(TargetAccess):
 
     @property
     def _k_limit(self) -> int:
-        """The longest draft whose verify window (k + 1 rows) fits one batch."""
-        return min(MAX_DRAFT, self._ctx.n_batch - 1)
+        """The longest draft whose verify window (k + 1 rows) fits one batch (and whose rejection
+        a recurrent target's state can roll back: llama/recurrent.py)."""
+        return min(MAX_DRAFT, self._ctx.n_batch - 1, self.target.rollback_depth or MAX_DRAFT)
 
     def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
         """The draft-length controller for ``cfg`` (None: k stays at draft_max)."""

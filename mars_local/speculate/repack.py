@@ -38,8 +38,8 @@ def load_exact_target(path: str | os.PathLike, n_gpu_layers: int | None, store: 
                       n_threads: int | None = None, **model_kw) -> Model:
     """The target of exact decoding: repacked where this machine's measurement (made now, once per
     model and build, or remembered in ``store``) shows the repacked kernels batch-invariant, else not.
-    Without a store, on a GPU or RPC placement, for MTP targets or float weights: not repacked, no
-    measurement.  ``model_kw`` go to :class:`Model`."""
+    Without a store, on a GPU or RPC placement, for MTP targets, recurrent targets or float weights:
+    not repacked, no measurement.  ``model_kw`` go to :class:`Model`."""
     def exact() -> Model:
         return Model(path, n_gpu_layers, exact_kernels=True, **model_kw)
 
@@ -53,6 +53,11 @@ def load_exact_target(path: str | os.PathLike, n_gpu_layers: int | None, store: 
     if known is not None and isinstance(known.get("invariant"), bool):
         return Model(path, n_gpu_layers, exact_kernels=not known["invariant"], **model_kw)
     repacked = Model(path, n_gpu_layers, exact_kernels=False, **model_kw)
+    if repacked.recurrent:  # the probe rolls whole windows back: a recurrent state cannot (llama/recurrent.py)
+        repacked.close()
+        store.put(key, {"invariant": False, "recurrent": True})  # not measured: kept as not repacked
+        store.save()
+        return exact()
     try:
         rows = model_invariance(repacked, PROBE_WINDOWS, PROBE_TOKENS, n_threads)
     except BaseException:

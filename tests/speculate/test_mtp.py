@@ -42,7 +42,7 @@ def test_a_model_without_nextn_layers_is_one_clear_error(tiny_target):
     assert "no multi-token-prediction (nextn) layers" in one_error_line(r)
 
 
-@pytest.mark.parametrize("arch, needle", [("qwen35", "recurrent layers"), ("llama", "cannot run the nextn layers")])
+@pytest.mark.parametrize("arch, needle", [("qwen3next", "recurrent layers"), ("llama", "cannot run the nextn layers")])
 def test_architectures_whose_nextn_layers_cannot_draft_are_refused(tmp_path, arch, needle):
     import gguf
 
