@@ -16,7 +16,7 @@ from ..core.tokens import common_prefix_len
 from .backend import C
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
-from .recurrent import Rollback
+from .recurrent import Rollback, truncate_state
 from .runtime import Model, default_threads
 
 __all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "available_memory", "KV_TYPES",
@@ -259,11 +259,13 @@ class Context(OwnsContext):
             if rc == 1:
                 raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
             raise RuntimeError(f"llama_decode failed with code {rc}")
-        if self._rollback:
-            self._rollback.decoded(n)
         if self.hidden is not None:
             self.hidden[start:start + n] = self._read_hidden(n)
         self.tokens.extend(int(t) for t in tokens)
+        if self._rollback:
+            self._rollback.decoded(n)
+            if self._rollback.saves(n):  # a prompt's chunk, not a verify window: a checkpoint
+                self._rollback.save(self._ctx, 0, len(self.tokens))
 
     def logits(self, n_rows: int) -> np.ndarray:
         """Zero-copy (n_rows, V) view of the last decode's output rows."""
@@ -289,29 +291,24 @@ class Context(OwnsContext):
 
     def truncate(self, n_keep: int) -> None:
         """Drop every cached position >= n_keep (KV rollback).  A recurrent model's state goes
-        back only a few tokens into its last decode (llama/recurrent.py): further, the whole
-        sequence is dropped, and ``n_past`` is 0 afterwards (the next sync evaluates it again)."""
+        back a few tokens into its last decode, or to a checkpoint a prompt chunk left
+        (llama/recurrent.py); else the whole sequence is dropped: ``n_past`` is then less than
+        ``n_keep`` (the next sync evaluates the rest again)."""
         if n_keep >= len(self.tokens):
             return
         if not self._ctx:
             raise MarsError("this context was closed")
-        rb = self._rollback
-        if rb is not None and not rb.allows(len(self.tokens) - n_keep):
-            C.llama_memory_seq_rm(self.mem, 0, 0, -1)
-            rb.cleared()
-            self.tokens.clear()
-            return
+        if self._rollback is not None:
+            return truncate_state(self._rollback, self._ctx, self.mem, 0, self.tokens, n_keep, int)
         if not C.llama_memory_seq_rm(self.mem, 0, n_keep, -1):
-            raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
-        if rb is not None:
-            rb.rolled_back()
+            raise MarsError("this model's cache cannot be rolled back")
         del self.tokens[n_keep:]
 
     def reachable(self, n_keep: int) -> int:
         """How many cached positions a :meth:`truncate` to ``n_keep`` keeps."""
-        n = min(n_keep, len(self.tokens))
-        rb = self._rollback
-        return n if rb is None or n == len(self.tokens) or rb.allows(len(self.tokens) - n) else 0
+        if self._rollback is not None:
+            return self._rollback.reachable(len(self.tokens), n_keep)
+        return min(n_keep, len(self.tokens))
 
     def sync(self, tokens) -> int:
         """Make the cache hold exactly ``tokens``, reusing the common prefix.
@@ -333,7 +330,11 @@ class Context(OwnsContext):
         """
         prompt, last = tokens[:-1], tokens[-1]
         rest = self._keep_common(prompt)
-        if last_rides(len(rest), self.n_batch) and len(tokens) <= self.n_ctx:
+        final = len(rest) - self.n_batch * ((len(rest) - 1) // self.n_batch)  # the last chunk's rows
+        # a recurrent target's last chunk leaves a checkpoint: without the last token, so that the
+        # same prompt again reuses it (llama/recurrent.py)
+        keep = self._rollback is not None and self._rollback.saves(final)
+        if last_rides(len(rest), self.n_batch) and len(tokens) <= self.n_ctx and not keep:
             row = self.eval(rest + [last], n_out=1)[0].copy()
             return len(rest), row
         if rest:

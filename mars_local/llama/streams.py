@@ -47,7 +47,7 @@ from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
 from .context import MAX_INVARIANT_ROWS, OwnsContext, context_params, create_context, hidden_rows
-from .recurrent import Rollback
+from .recurrent import Rollback, truncate_state
 from .runtime import Model
 
 __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView", "exact_reuse"]
@@ -215,8 +215,11 @@ class MultiContext(OwnsContext):
         for s, toks, _ in parts:
             view = self.seqs[s]
             view.tokens.extend(int(t) for t in toks)
-            if view._rollback is not None:
-                view._rollback.decoded(len(toks))
+            rb = view._rollback
+            if rb is not None:
+                rb.decoded(len(toks))
+                if rb.saves(len(toks)):  # a prompt's chunk, not a verify window: a checkpoint
+                    rb.save(self._ctx, s, len(view.tokens))
         return got
 
     def _cell(self, p: int) -> int:
@@ -298,8 +301,9 @@ class MultiContext(OwnsContext):
             C.llama_memory_seq_cp(self.mem, src, dst, -1, -1)
             C.llama_memory_seq_rm(self.mem, dst, self._cell(n), -1)
         b.tokens = a.tokens[:n]
-        if b._rollback is not None:
-            b._rollback.cleared()  # its state was copied, not decoded: no snapshot to go back to
+        if b._rollback is not None:  # its state was copied, not decoded: no snapshot to go back to,
+            b._rollback.cleared()  # the checkpoints of the prefix it now holds
+            b._rollback.checkpoints = list(a._rollback.checkpoints)
         if a.hidden is not None:
             b.hidden[:n] = a.hidden[:n]
 
@@ -345,24 +349,21 @@ class SeqView:
 
     def truncate(self, n_keep: int) -> None:
         """Drop this sequence's positions >= n_keep (KV rollback); a recurrent state that cannot
-        go back that far is dropped whole (as :meth:`Context.truncate`)."""
+        go back that far is reached through a checkpoint or dropped whole (as :meth:`Context.truncate`)."""
         if n_keep >= len(self.tokens):
             return
-        rb = self._rollback
-        if rb is not None and not rb.allows(len(self.tokens) - n_keep):
-            self._drop_all()
-            return
-        if not C.llama_memory_seq_rm(self.owner.mem, self.seq_id, self.owner._cell(n_keep), -1):
-            raise MarsError("this model's cache cannot be rolled back (recurrent or hybrid architecture)")
-        if rb is not None:
-            rb.rolled_back()
+        o = self.owner
+        if self._rollback is not None:
+            return truncate_state(self._rollback, o._ctx, o.mem, self.seq_id, self.tokens, n_keep, o._cell)
+        if not C.llama_memory_seq_rm(o.mem, self.seq_id, o._cell(n_keep), -1):
+            raise MarsError("this model's cache cannot be rolled back")
         del self.tokens[n_keep:]
 
     def reachable(self, n_keep: int) -> int:
         """How many of this sequence's positions a :meth:`truncate` to ``n_keep`` keeps."""
-        n = min(n_keep, len(self.tokens))
-        rb = self._rollback
-        return n if rb is None or n == len(self.tokens) or rb.allows(len(self.tokens) - n) else 0
+        if self._rollback is not None:
+            return self._rollback.reachable(len(self.tokens), n_keep)
+        return min(n_keep, len(self.tokens))
 
     def _drop_all(self) -> None:
         C.llama_memory_seq_rm(self.owner.mem, self.seq_id, 0, -1)

@@ -226,6 +226,8 @@ class Scheduler:
                 # the last chunk: the prompt's last token rides in it when that is exact
                 # (llama.context.last_rides), and the first token is known at once
                 rides = not s.pending and last_rides(len(chunk), nb) and s.view.n_past + len(chunk) < s.view.n_ctx
+                rb = s.view._rollback  # (a recurrent target's chunk leaves a checkpoint: without the last token)
+                rides = rides and not (rb is not None and rb.saves(len(chunk)))
                 t0 = time.perf_counter()
                 first = self._guard(s, lambda: s.view.eval(chunk + [s.run.tokens[-1]] if rides else chunk,
                                                            n_out=1 if rides else 0))

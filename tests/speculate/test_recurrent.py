@@ -57,47 +57,49 @@ def test_a_rollback_is_allowed_only_onto_a_kept_snapshot(last, pending, r, ok):
     rb = Rollback(8)
     rb.decoded(last)
     if pending:
-        rb.rolled_back()
+        rb.rolled_back(0)
     assert rb.allows(r) is ok
 
 
-def test_a_recurrent_context_keeps_less_where_its_state_cannot_go_back(qwen35):
+def test_a_recurrent_context_keeps_what_a_snapshot_or_a_checkpoint_reaches(qwen35):
     m = Model(qwen35[0], 0, exact_kernels=True)
     try:
         assert m.recurrent and m.rollback_depth == 8
         ctx = Context(m, n_ctx=256, n_batch=16, n_threads=2)
         toks = list(range(300, 340))
-        ctx.eval(toks[:30], n_out=0)
-        ctx.eval(toks[30:39], n_out=0)  # a 9-row window
-        assert ctx.reachable(33) == 33 and ctx.reachable(30) == 0  # 6 back: kept; the whole window: not
-        ctx.truncate(33)
+        ctx.eval(toks[:30], n_out=0)  # prompt chunks of 16 and 14 rows: checkpoints after 16 and 30
+        ctx.eval(toks[30:39], n_out=0)  # a 9-row window: snapshots
+        assert [ctx.reachable(n) for n in (39, 33, 31, 30, 20, 15)] == [39, 33, 31, 30, 16, 0]
+        ctx.truncate(33)  # 6 back: a snapshot
         assert ctx.n_past == 33
-        assert ctx.reachable(32) == 0  # a second rollback before a decode: not
+        assert ctx.reachable(32) == 30  # a second rollback before a decode: only a checkpoint
         ctx.truncate(32)
-        assert ctx.n_past == 0  # dropped whole: the next sync evaluates the prefix again
-        assert ctx.sync(toks[:32]) == 32
+        assert ctx.n_past == 30
+        ctx.truncate(10)  # before any checkpoint: dropped whole, the next sync evaluates it again
+        assert ctx.n_past == 0 and ctx.sync(toks[:32]) == 32
         ctx.close()
     finally:
         m.close()
 
 
-def test_rolled_back_state_gives_the_rows_of_a_run_that_never_went_further(qwen35):
-    """Bit for bit: a window of 9 rows rolled back by 5 and extended gives the logits that a
-    context which decoded only the kept tokens gives (the delta net's state and its conv state
-    come from the snapshot, the attention layers' cells are cut)."""
+@pytest.mark.parametrize("keep", [24, 16], ids=["snapshot", "checkpoint"])
+def test_rolled_back_state_gives_the_rows_of_a_run_that_never_went_further(qwen35, keep):
+    """Bit for bit: 20 prompt tokens (chunks of 16 and 4) and a window of 9 rows, rolled back to
+    24 tokens (a snapshot of the window) or to 16 (the first chunk's checkpoint), then extended one
+    row at a time, give the logits of a context that decoded only the kept tokens (the delta net's
+    state and its conv state restored, the attention layers' cells cut)."""
     m = Model(qwen35[0], 0, exact_kernels=True)
     try:
         a, b = (Context(m, n_ctx=256, n_batch=16, n_threads=2) for _ in range(2))
         toks = [int(t) for t in np.random.default_rng(3).integers(300, 380, 40)]
         a.eval(toks[:20], n_out=0)
         a.eval(toks[20:29], n_out=0)
-        a.truncate(24)
-        za = a.eval(toks[24:30], n_out=6).copy()
-        b.eval(toks[:20], n_out=0)
-        for i in range(20, 30):  # one row at a time, as plain decoding
-            zb = b.eval([toks[i]], n_out=1)
-            if i >= 24:
-                assert np.array_equal(za[i - 24], zb[0]), i
+        a.truncate(keep)
+        assert a.n_past == keep
+        b.eval(toks[:keep], n_out=0)
+        for i in range(keep, 34):
+            za, zb = a.eval([toks[i]], n_out=1).copy(), b.eval([toks[i]], n_out=1)
+            assert np.array_equal(za, zb), i
         a.close()
         b.close()
     finally:
@@ -121,8 +123,9 @@ def test_drafts_are_capped_at_the_snapshots_kept(qwen35):
 
 def test_exact_across_prompt_chunks_reuse_turns_and_a_limit_mid_window(qwen35):
     """n_batch 16: a prompt of several chunks, limits ending inside a window, generations that
-    reuse the cache where the state reaches (a chat's next turn extends what it holds) and
-    evaluate it again where it does not (another question after the same prefix)."""
+    reuse the cache through a checkpoint (the same prompt again, another ending after the same
+    prefix), a chat (each turn extends what the cache holds), and evaluate again what no
+    checkpoint reaches."""
     kw = dict(n_ctx=512, n_batch=16, n_threads=2, learned=False)
     with Engine(qwen35[1], drafter="mtp", **kw) as e, Engine(qwen35[1], **kw) as ref:
         g = dict(temperature=0, ignore_eos=True)
@@ -130,9 +133,10 @@ def test_exact_across_prompt_chunks_reuse_turns_and_a_limit_mid_window(qwen35):
         for n in (40, 7, 13):
             assert e.generate(long, max_tokens=n, verify="strict", draft_max=8, adaptive=False, **g).tokens \
                 == plain(ref, long, n)
-        for prompt in (long + " hello", PROMPTS[0]):  # a prefix from several decodes ago: evaluated again
+        for prompt, reused in ((long, True), (long + " hello", True), (PROMPTS[0], False)):
             out = e.generate(prompt, max_tokens=30, verify="strict", **g)
             assert out.tokens == plain(ref, prompt, 30)
+            assert (out.stats.n_prompt_evaluated < len(e.tokenize(prompt)) - 4) is reused, prompt
         msgs, evaluated = [{"role": "user", "content": "hello world"}], []
         for turn in range(3):
             toks = e.chat_prompt(msgs)
