@@ -34,7 +34,8 @@ import ctypes
 
 from .backend import C
 
-__all__ = ["MAX_CHECKPOINTS", "ROLLBACK_ARCHS", "ROLLBACK_DEPTH", "Rollback", "supports_rollback", "truncate_state"]
+__all__ = ["MAX_CHECKPOINTS", "ROLLBACK_ARCHS", "ROLLBACK_DEPTH", "Rollback", "state_bytes", "supports_rollback",
+           "truncate_state"]
 
 # architectures whose recurrent memory llama.cpp can roll back (llm_arch_supports_rs_rollback
 # in src/llama-arch.cpp of the pinned release); other recurrent/hybrid models are refused for
@@ -137,3 +138,15 @@ def truncate_state(rb: Rollback, ctx, mem, seq_id: int, tokens: list[int], n_kee
     C.llama_memory_seq_rm(mem, seq_id, 0, -1)
     rb.cleared()
     tokens.clear()
+
+
+def state_bytes(ctx) -> int:
+    """Bytes of one sequence's recurrent state in ``ctx`` (a Context of a recurrent model), what each
+    snapshot and each checkpoint copies (an empty context evaluates one token for it, then drops it)."""
+    empty = not ctx.tokens
+    if empty:
+        ctx.eval([ctx.model.bos if ctx.model.bos >= 0 else 0], n_out=0)
+    n = int(C.llama_state_seq_get_size_ext(ctx._ctx, 0, C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+    if empty:
+        ctx.truncate(0)
+    return n

@@ -164,6 +164,10 @@ def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
         per_seq += n_ctx_seq * engine.target.n_embd * 4
     elif engine.drafter_kind == "eagle3":  # the target's encoded features kept for the head (float32)
         per_seq += n_ctx_seq * engine.draft_model.n_embd * 4
+    if engine.target.recurrent:  # its state, a snapshot per draft token and the checkpoints (llama/recurrent.py)
+        from ..llama.recurrent import MAX_CHECKPOINTS, state_bytes
+
+        per_seq += state_bytes(engine._ctx) * (1 + (engine.target.rollback_depth or 0) + MAX_CHECKPOINTS)
     avail = None if engine.target.offloaded else available_memory()
     if avail is None or per_seq <= 0:
         return cap

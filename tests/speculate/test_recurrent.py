@@ -187,3 +187,20 @@ def test_mars_run_speculates_on_a_recurrent_target(qwen35):
     assert r.exit_code == 0, r.output
     got = json.loads(r.stdout)
     assert got["stats"]["n_drafted"] > 0 and got["tokens"] == json.loads(invoke(*args, "--no-draft").stdout)["tokens"]
+
+
+def test_auto_parallel_counts_the_recurrent_states(qwen35, monkeypatch):
+    """Each sequence of a recurrent target holds its state, 8 snapshots and 3 checkpoints: the
+    default --parallel counts them against the free memory."""
+    from mars_local.llama import context
+    from mars_local.llama.recurrent import state_bytes
+    from mars_local.speculate.batch_cost import auto_parallel
+
+    with Engine(qwen35[0], drafter="ngram", n_ctx=256, n_threads=2, learned=False) as e:
+        state = state_bytes(e._ctx)
+        assert state > 0 and e._ctx.n_past == 0
+        kv = context.kv_cache_bytes(e.target, 256)
+        monkeypatch.setattr(context, "available_memory", lambda: 2 * 3 * (kv + 12 * state) + 1)
+        assert auto_parallel(e) == 3
+        monkeypatch.setattr(context, "available_memory", lambda: 2 * 3 * (kv + 11 * state))
+        assert auto_parallel(e) == 2
