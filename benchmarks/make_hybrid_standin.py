@@ -10,7 +10,12 @@ measures is the *mechanics* of speculating on a recurrent target (n-gram drafts 
 rolled back when not), at a realistic cost per forward, against llama.cpp's own speculation on the
 same file — not the acceptance of a real model.
 
+With ``--nextn 1`` it also carries an MTP (nextn) block whose eh_proj is [I | noise] (as the tiny
+test models'), so the MTP head predicts from the token's embedding much as the near-bigram trunk does:
+a file on which ``--drafter mtp`` and llama.cpp's ``--spec-type draft-mtp`` both run.
+
     .venv/bin/python benchmarks/make_hybrid_standin.py            # .cache/standin/hybrid-qwen35-F16.gguf
+    .venv/bin/python benchmarks/make_hybrid_standin.py --nextn 1  # .cache/standin/hybrid-qwen35-mtp-F16.gguf
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--width", type=int, default=1536)
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--out", type=Path, default=CACHE / "hybrid-qwen35-F16.gguf")
+    ap.add_argument("--nextn", type=int, default=0, help="MTP (nextn) blocks after the trunk")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    args.out = args.out or CACHE / ("hybrid-qwen35-mtp-F16.gguf" if args.nextn else "hybrid-qwen35-F16.gguf")
     if args.out.exists():
         print(f"{args.out} exists")
         return 0
@@ -44,7 +51,8 @@ def main(argv=None) -> int:
     f32 = args.out.with_suffix(".f32.tmp")
     print(f"writing a random qwen35, width {args.width}, {args.layers} layers ...", flush=True)
     make_tiny_qwen35(f32, n_embd=args.width, n_head=args.width // 128, n_head_kv=2, n_layer=args.layers,
-                     full_attention_interval=4, n_ff=args.ffn, n_ctx=4096, seed=7, trunk_scale=0.012)
+                     full_attention_interval=4, n_ff=args.ffn, n_ctx=4096, seed=7, trunk_scale=0.012,
+                     n_nextn=args.nextn)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_F16
     params.nthread = os.cpu_count() or 1
