@@ -16,7 +16,7 @@ from ..core.tokens import common_prefix_len
 from .backend import C
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
-from .recurrent import Rollback, truncate_state
+from .recurrent import Rollback, drop_state, truncate_state
 from .runtime import Model, default_threads
 
 __all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "available_memory", "KV_TYPES",
@@ -41,8 +41,12 @@ def last_rides(n_rest: int, n_batch: int, inv: int = MAX_INVARIANT_ROWS) -> bool
     of prefill, for the price of one prefill row (no forward of its own)."""
     if n_rest <= 0:
         return False
-    final = n_rest - n_batch * ((n_rest - 1) // n_batch)
-    return final + 1 <= inv
+    return last_chunk(n_rest, n_batch) + 1 <= inv
+
+
+def last_chunk(n_rest: int, n_batch: int) -> int:
+    """The rows of the last of the chunks of ``n_batch`` that ``n_rest`` tokens are evaluated in (pure)."""
+    return n_rest - n_batch * ((n_rest - 1) // n_batch)
 
 
 def hidden_rows(ctx, n_embd: int):
@@ -79,7 +83,7 @@ def kv_cache_bytes(model: Model, n_ctx: int, kv_type: str = "f16") -> int:
     n_head = max(int(C.llama_model_n_head(m)), 1)
     n_head_kv = int(C.llama_model_n_head_kv(m))
     head_k = head_v = int(C.llama_model_n_embd(m)) // n_head
-    arch = model.meta("general.architecture")
+    arch = model.arch
     if arch:
         for key in ("key_length", "value_length"):
             val = model.meta(f"{arch}.attention.{key}")
@@ -252,20 +256,18 @@ class Context(OwnsContext):
         if rc != 0:
             # llama.cpp removed this batch's positions; keep the mirror in step (a recurrent
             # state may have moved on in part: dropped whole)
-            C.llama_memory_seq_rm(self.mem, 0, 0 if self._rollback else start, -1)
-            if self._rollback:
-                self._rollback.cleared()
-                self.tokens.clear()
+            if self._rollback is not None:
+                drop_state(self._rollback, self.mem, 0, self.tokens)
+            else:
+                C.llama_memory_seq_rm(self.mem, 0, start, -1)
             if rc == 1:
                 raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
             raise RuntimeError(f"llama_decode failed with code {rc}")
         if self.hidden is not None:
             self.hidden[start:start + n] = self._read_hidden(n)
         self.tokens.extend(int(t) for t in tokens)
-        if self._rollback:
-            self._rollback.decoded(n)
-            if self._rollback.saves(n):  # a prompt's chunk, not a verify window: a checkpoint
-                self._rollback.save(self._ctx, 0, len(self.tokens))
+        if self._rollback is not None:
+            self._rollback.after_decode(self._ctx, 0, n, len(self.tokens))
 
     def logits(self, n_rows: int) -> np.ndarray:
         """Zero-copy (n_rows, V) view of the last decode's output rows."""
@@ -330,10 +332,9 @@ class Context(OwnsContext):
         """
         prompt, last = tokens[:-1], tokens[-1]
         rest = self._keep_common(prompt)
-        final = len(rest) - self.n_batch * ((len(rest) - 1) // self.n_batch)  # the last chunk's rows
         # a recurrent target's last chunk leaves a checkpoint: without the last token, so that the
         # same prompt again reuses it (llama/recurrent.py)
-        keep = self._rollback is not None and self._rollback.saves(final)
+        keep = self._rollback is not None and self._rollback.saves(last_chunk(len(rest), self.n_batch))
         if last_rides(len(rest), self.n_batch) and len(tokens) <= self.n_ctx and not keep:
             row = self.eval(rest + [last], n_out=1)[0].copy()
             return len(rest), row
@@ -349,10 +350,10 @@ class Context(OwnsContext):
         # update) can leave the cache longer than the mirror: trust the cache.
         pos_max = int(C.llama_memory_seq_pos_max(self.mem, 0))
         if pos_max + 1 != len(self.tokens):
-            cut = 0 if self._rollback else min(len(self.tokens), pos_max + 1)  # a recurrent state: whole
-            C.llama_memory_seq_rm(self.mem, 0, cut, -1)
-            del self.tokens[cut if self._rollback else pos_max + 1 :]
-            if self._rollback:
-                self._rollback.cleared()
+            if self._rollback is not None:  # a recurrent state: whole
+                drop_state(self._rollback, self.mem, 0, self.tokens)
+            else:
+                C.llama_memory_seq_rm(self.mem, 0, min(len(self.tokens), pos_max + 1), -1)
+                del self.tokens[pos_max + 1 :]
         self.truncate(common_prefix_len(self.tokens, tokens))
         return list(tokens[len(self.tokens):])  # (a recurrent state may keep less: truncate)

@@ -34,8 +34,8 @@ import ctypes
 
 from .backend import C
 
-__all__ = ["MAX_CHECKPOINTS", "ROLLBACK_ARCHS", "ROLLBACK_DEPTH", "Rollback", "state_bytes", "supports_rollback",
-           "truncate_state"]
+__all__ = ["MAX_CHECKPOINTS", "ROLLBACK_ARCHS", "ROLLBACK_DEPTH", "Rollback", "drop_state", "state_bytes",
+           "supports_rollback", "truncate_state"]
 
 # architectures whose recurrent memory llama.cpp can roll back (llm_arch_supports_rs_rollback
 # in src/llama-arch.cpp of the pinned release); other recurrent/hybrid models are refused for
@@ -82,6 +82,13 @@ class Rollback:
         self.last, self.pending = 0, False
         self.checkpoints.clear()
 
+    def after_decode(self, ctx, seq_id: int, n_rows: int, n_held: int) -> None:
+        """A decode gave the sequence ``n_rows`` more rows (it holds ``n_held`` tokens now): its
+        snapshots are of them, and a prompt's chunk leaves a checkpoint."""
+        self.decoded(n_rows)
+        if self.saves(n_rows):
+            self.save(ctx, seq_id, n_held)
+
     def saves(self, n_rows: int) -> bool:
         """Whether a decode of ``n_rows`` rows of this sequence leaves a checkpoint: more rows than
         a verify window has (a prompt's chunk)."""
@@ -108,17 +115,24 @@ class Rollback:
 
     def restore(self, ctx, mem, seq_id: int, n: int, cell: int) -> bool:
         """Back to the checkpoint after ``n`` tokens: its state copied in, the attention cells
-        from ``cell`` (the llama position of token n) on cut.  False: the sequence is empty."""
+        from ``cell`` (the llama position of token n) on cut.  False: it failed (the caller drops
+        the sequence: :func:`drop_state`)."""
         buf = next(b for m, b in self.checkpoints if m == n)
         flags = C.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         self.last, self.pending = 0, False
         if C.llama_state_seq_set_data_ext(ctx, buf, len(buf), seq_id, flags) != len(buf) \
                 or not C.llama_memory_seq_rm(mem, seq_id, cell, -1):
-            C.llama_memory_seq_rm(mem, seq_id, 0, -1)
-            self.cleared()
             return False
         self.forget_after(n)
         return True
+
+
+def drop_state(rb: Rollback, mem, seq_id: int, tokens: list[int]) -> None:
+    """Drop a recurrent sequence whole (its cells, state and checkpoints; ``tokens``: its mirror,
+    emptied): where no snapshot or checkpoint reaches, or after a failed decode."""
+    C.llama_memory_seq_rm(mem, seq_id, 0, -1)
+    rb.cleared()
+    tokens.clear()
 
 
 def truncate_state(rb: Rollback, ctx, mem, seq_id: int, tokens: list[int], n_keep: int, cell) -> None:
@@ -135,9 +149,7 @@ def truncate_state(rb: Rollback, ctx, mem, seq_id: int, tokens: list[int], n_kee
     elif n > 0 and rb.restore(ctx, mem, seq_id, n, cell(n)):  # onto a checkpoint
         del tokens[n:]
         return
-    C.llama_memory_seq_rm(mem, seq_id, 0, -1)
-    rb.cleared()
-    tokens.clear()
+    drop_state(rb, mem, seq_id, tokens)
 
 
 def state_bytes(ctx) -> int:

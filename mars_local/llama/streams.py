@@ -47,7 +47,7 @@ from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
 from .context import MAX_INVARIANT_ROWS, OwnsContext, context_params, create_context, hidden_rows
-from .recurrent import Rollback, truncate_state
+from .recurrent import Rollback, drop_state, truncate_state
 from .runtime import Model
 
 __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView", "exact_reuse"]
@@ -205,7 +205,7 @@ class MultiContext(OwnsContext):
                 for s, _, _ in parts:  # llama.cpp removed this batch's positions; keep the mirrors in step
                     view = self.seqs[s]
                     if view._rollback is not None:  # a recurrent state may have moved on in part: whole
-                        view._drop_all()
+                        drop_state(view._rollback, self.mem, s, view.tokens)
                     else:
                         C.llama_memory_seq_rm(self.mem, s, self._cell(len(view.tokens)), -1)
                 if rc == 1:
@@ -215,11 +215,8 @@ class MultiContext(OwnsContext):
         for s, toks, _ in parts:
             view = self.seqs[s]
             view.tokens.extend(int(t) for t in toks)
-            rb = view._rollback
-            if rb is not None:
-                rb.decoded(len(toks))
-                if rb.saves(len(toks)):  # a prompt's chunk, not a verify window: a checkpoint
-                    rb.save(self._ctx, s, len(view.tokens))
+            if view._rollback is not None:
+                view._rollback.after_decode(self._ctx, s, len(toks), len(view.tokens))
         return got
 
     def _cell(self, p: int) -> int:
@@ -364,11 +361,6 @@ class SeqView:
         if self._rollback is not None:
             return self._rollback.reachable(len(self.tokens), n_keep)
         return min(n_keep, len(self.tokens))
-
-    def _drop_all(self) -> None:
-        C.llama_memory_seq_rm(self.owner.mem, self.seq_id, 0, -1)
-        self.tokens.clear()
-        self._rollback.cleared()
 
     def sync(self, tokens) -> int:
         """Make this sequence hold exactly ``tokens``, reusing the common prefix; tokens evaluated."""
