@@ -31,8 +31,8 @@ PY="$VENV/bin/python"
 # patches/0003 keeps batches of up to 64 rows (every verify window) off the
 # paths whose summation order differs from a single row's: the tiled K-quant
 # matmul, the tiled flash attention and the split-KV attention of one row.
-# patches/0004 computes Q4_K windows eight rows per weight row on x86 (AVX2 and
-# up), each result summed exactly as ggml's 1-row q4_K dot kernel sums it.
+# patches/0004 computes Q4_K and Q5_K windows eight rows per weight row on x86 (AVX2 and
+# up), each result summed exactly as ggml's 1-row dot kernel sums it.
 case "$(uname -m)" in
     x86_64|amd64|i686|i386) LLAMAFILE=ON ;;
     *) LLAMAFILE=OFF ;;
