@@ -99,6 +99,8 @@ class AdaptiveK:
     _primed: bool = False
     _rate: float = 0.0  # expected tokens/s of the last plan (R in extend/trim)
     _keep: int = 0  # a probe's length: extend drafts and trim keeps at least this many
+    _round: int = 0  # forwards timed so far
+    _timed_at: dict = field(default_factory=dict)  # w -> _round when a forward of w rows was last timed
     n_probes: int = 0
 
     # ------------------------------------------------------------ estimates
@@ -117,7 +119,11 @@ class AdaptiveK:
 
     def target_costs(self, w_max: int) -> list[float] | None:
         """Predicted seconds of a verify forward of w = 1..w_max rows (None: no data yet)."""
-        seen = {size: (s / n, n) for size, (s, n) in self._time.items() if n > 0.05}
+        # a size's weight fades with the forwards timed since it last was (see _time_forward)
+        now, timed_at = self._round, self._timed_at
+        aged = ((size, s / n, n * self.decay ** (now - timed_at.get(size, now))) for size, (s, n) in self._time.items()
+                if n > 0)
+        seen = {size: (t, n) for size, t, n in aged if n > 0.05 or size == 1}
         if 1 not in seen:
             return None
         t1 = seen[1][0]
@@ -256,14 +262,21 @@ class AdaptiveK:
 
     # ------------------------------------------------------------ feedback
     def _time_forward(self, w: int, seconds: float) -> None:
+        self._round += 1
         if w not in self._warm:  # llama.cpp builds a new graph for a new batch shape: slow once
             self._warm.add(w)
             return
         slot = self._time.setdefault(w, [0.0, 0.0])
         if slot[1] > 0.5:  # a stray slow forward (machine busy) counts at most 1.5x the mean
             seconds = min(seconds, 1.5 * slot[0] / slot[1])
-        slot[0] = slot[0] * self.decay + seconds
-        slot[1] = slot[1] * self.decay + 1.0
+        # Decay by the forwards timed since this size last was, not once: a window size
+        # timed while the machine was busy and not since (plain decoding looked better)
+        # must not outweigh a probe's fresh timing, or the controller stays plain for good
+        age = self._round - self._timed_at.get(w, self._round - 1)
+        self._timed_at[w] = self._round
+        f = self.decay ** max(age, 1)
+        slot[0] = slot[0] * f + seconds
+        slot[1] = slot[1] * f + 1.0
 
     def _count(self, key: Hashable, accepted: bool) -> None:
         for kk in (POOL,) if key is None or key == POOL else (key, POOL):
@@ -274,13 +287,22 @@ class AdaptiveK:
 
     def observe(
         self, k: int, n_accepted: int, t_target: float, t_draft: float, keys: Sequence[Hashable] | None = None,
-        drafted: int | None = None,
+        drafted: int | None = None, t_switch: float = 0.0,
     ) -> None:
         """One verify round: k drafts verified (with these keys), n_accepted kept, and what it cost.
 
         ``drafted``: tokens a draft model made for the round (>= k: trimmed ones
         count), whose time ``t_draft`` was; default k without keys (a draft
-        model), 0 with keys (a cheap drafter).
+        model), 0 with keys (a cheap drafter).  ``t_switch``: seconds a draft
+        model spent beyond that catching up on tokens decoded plainly since it
+        last drafted (not in ``t_draft``): what keeping a draft model costs,
+        owed whenever it drafts again, so it is not held against drafting nor
+        against a probe (from the probe budget, it would starve probing: the
+        catch-up on N plain rounds costs a few % of their time, the budget
+        grows by 1 %).  Counted as a cost per drafted token, it made drafting
+        look many times dearer than it is (a probe after 50 plain rounds
+        evaluates 50 rows to draft 2 tokens) and kept the controller from ever
+        drafting again.
         """
         self._time_forward(k + 1, t_target)
         if drafted is None:

@@ -31,6 +31,8 @@ A drafter never owns the llama.cpp context it drafts in; the Engine does.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
@@ -72,6 +74,11 @@ class Drafter:
 
     cheap: ClassVar[bool] = True
     gives_keys: ClassVar[bool] = False
+    # (rows, seconds) of the last proposal's first evaluation: the tokens the draft cache
+    # lacked plus the last one.  While drafting every round that is one or two rows; after
+    # rounds decoded plainly it is the catch-up on them, a cost of resuming drafting that
+    # the adaptive controller must not mistake for a cost per drafted token.
+    catch_up: tuple[int, float] = (0, 0.0)
 
     def begin(self, tokens: list[int]) -> int:
         """Prepare for a generation; returns the number of tokens evaluated."""
@@ -186,9 +193,13 @@ class ModelDrafter(Drafter):
         confidence key and drafting stops as soon as ``extend(keys)`` is false."""
         ctx = self.ctx
         self._base = ctx.n_past
+        self.catch_up = (0, 0.0)
         if k <= 0:  # k fits: the draft context is as large as the target's, whose room bounds k (Run.draft_cap)
             return EMPTY_DRAFT
-        row = ctx.eval(tokens[ctx.n_past :], 1)[0]  # pending tokens + last
+        pending = tokens[ctx.n_past :]
+        t0 = time.perf_counter()
+        row = ctx.eval(pending, 1)[0]  # pending tokens + last
+        self.catch_up = (len(pending), time.perf_counter() - t0)
         sampled = self.sampling == "sample" and not self.params.greedy
         out: list[int] = []
         probs = []

@@ -302,7 +302,8 @@ class Engine(TargetAccess):
             stats.time_target_s += t2 - t1
             stats.time_verify_s += t3 - t2
             if run.ctrl is not None:
-                run.ctrl.observe(len(draft), res.n_accepted, t2 - t1, t_draft, draft.keys, drafted=drafted)
+                run.ctrl.observe(len(draft), res.n_accepted, t2 - t1, t_draft - run.switch_s, draft.keys,
+                                 drafted=drafted, t_switch=run.switch_s)
                 if shadow is not None:
                     run.ctrl.observe_shadow(shadow.tokens[0] == res.tokens[0], shadow.keys[0])
             chunk = run.emit(self._ctx, self.target, len(draft), res)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mars_local.speculate.adaptive import AdaptiveK, expected_tokens
+from mars_local.speculate.run import catch_up_excess
 
 
 @pytest.mark.parametrize(
@@ -294,3 +295,71 @@ def test_regimes_share_window_and_draft_timings():
     a.observe_forward(2, 0.012)
     a.observe_forward(2, 0.012)
     assert not b.needs_calibration()
+
+
+def standin_cost(w):  # the K-quant stand-in on an AVX2 EPYC, 2 threads: windows cost ~2x a row
+    return 0.1 if w == 1 else 0.1 * (1.67 + 0.34 * (w - 2))
+
+
+def simulate_lagging_draft(ctrl, accept, rounds=300, seed=0, fold=False, busy=(), draft_row=0.0145, catch_row=0.0045):
+    """A draft model that, like ModelDrafter, evaluates the tokens it lacks (one per plain
+    round) in the first evaluation of its next draft: ``catch_row`` seconds per extra row.
+    The engine splits that evaluation with ``catch_up_excess``; ``fold`` counts it all as
+    drafting time instead.  Forwards of windows cost twice as much in the ``busy`` rounds.
+    Returns each round's k."""
+    rng = np.random.default_rng(seed)
+    pending, ks = 1, []
+    for r in range(rounds):
+        k = ctrl.choose(8)
+        m, t_draft, switch = 0, 0.0, 0.0
+        if k:
+            t_first = draft_row + catch_row * (pending - 1)
+            t_draft = t_first + draft_row * (k - 1)
+            switch = 0.0 if fold else catch_up_excess(pending, t_first)
+            while m < k and rng.random() < accept:
+                m += 1
+        t_target = standin_cost(k + 1) * (2.0 if k and r in busy else 1.0) * rng.uniform(0.95, 1.05)
+        ctrl.observe(k, m, t_target, t_draft - switch, drafted=k, t_switch=switch)
+        pending = (2 if m == k else 1) if k else pending + 1
+        ks.append(k)
+    return ks
+
+
+@pytest.mark.parametrize("rows,seconds,want", [(1, 0.01, 0.0), (2, 0.02, 0.0), (3, 0.03, 0.01), (50, 0.25, 0.24)])
+def test_catch_up_excess_is_what_a_drafting_round_would_not_evaluate(rows, seconds, want):
+    assert catch_up_excess(rows, seconds) == pytest.approx(want)
+
+
+def test_a_draft_models_catch_up_is_not_taken_for_a_cost_per_drafted_token():
+    """Windows that cost ~2x a row (the K-quant stand-in on 2 AVX2 cores), a draft accepted
+    90 % (drafting pays 1.24x), and a busy minute in which windows cost twice as much, so
+    that the controller decodes plainly for a while.  A probe made after plain rounds
+    first catches the draft model up on them; counted as drafting time, 50 rows evaluated
+    to draft 2 tokens made a draft token look 10-20x dearer than it is and the controller
+    never drafted again (the K-quant stand-in's head-to-head: both adaptive rows decoded
+    plainly where fixed k = 4 paid; 150 ms per drafted token learned, 15 ms true)."""
+    trapped = 0
+    for seed in range(8):
+        ctrl = AdaptiveK(k_max=8)
+        ks = simulate_lagging_draft(ctrl, 0.9, rounds=500, seed=seed, busy=range(50, 110))
+        assert np.mean(np.array(ks[-200:]) > 0) > 0.9, seed
+        assert ctrl.draft_cost < 0.025, seed
+        before = AdaptiveK(k_max=8)  # the accounting before: the catch-up in the draft time
+        ks = simulate_lagging_draft(before, 0.9, rounds=500, seed=seed, busy=range(50, 110), fold=True)
+        trapped += np.mean(np.array(ks[-200:]) > 0) < 0.1 and before.draft_cost > 0.1
+    assert trapped >= 2
+
+
+def test_a_window_size_timed_while_the_machine_was_busy_gives_way_to_a_fresh_timing():
+    """Twenty 5-row forwards timed at twice their cost, then 200 plain forwards: the next
+    5-row forward (a probe) outweighs them, or the controller would keep believing the
+    busy figure and stay plain."""
+    ctrl = AdaptiveK(k_max=8)
+    for w in (1, 2, 5):
+        ctrl.observe_forward(w, standin_cost(w))  # warm-up forwards are not timed
+    for _ in range(20):
+        ctrl.observe_forward(5, 2 * standin_cost(5))
+    for _ in range(200):
+        ctrl.observe(0, 0, standin_cost(1), 0.0)
+    ctrl.observe_forward(5, standin_cost(5))
+    assert ctrl.target_cost(5) < 1.35 * standin_cost(5)

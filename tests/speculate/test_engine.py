@@ -439,3 +439,48 @@ def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(pla
             assert set(out.stats.k_per_round) <= {0, 1, 2} and 2 in out.stats.k_per_round
     assert seen_keys and all(k and all(x.startswith("p") for x in k) for k in seen_keys)
     assert all(len(t) == 3 for t in trims if len(t) >= 3)
+
+
+def test_a_draft_models_catch_up_after_plain_rounds_is_kept_out_of_its_draft_cost(tiny_target, tiny_draft):
+    """A ModelDrafter evaluates the tokens decoded plainly since it last drafted in the first
+    evaluation of its next draft; the round reports that evaluation (rows, seconds) and the
+    loop hands the controller the share beyond a drafting round's two rows as t_switch,
+    not as drafting time."""
+    from types import SimpleNamespace
+
+    from mars_local.speculate.drafters import ModelDrafter
+    from mars_local.speculate.run import Run
+
+    m = Model(tiny_draft, 0)
+    ctx = Context(m, n_ctx=256, n_threads=2)
+    try:
+        drafter = ModelDrafter(ctx)
+        tokens = m.tokenize("hello world")
+        drafter.begin(tokens)
+        assert len(drafter.propose(tokens, 2)) == 2 and drafter.catch_up[0] == 1  # the last token alone
+        drafter.observe(tokens, 0)
+        tokens = tokens + [int(t) for t in np.arange(20, 50)]  # 30 tokens decoded plainly
+
+        class Ctrl:  # draft 2, then stop; verify both
+            def choose(self, k_cap):
+                return 2
+
+            def extend(self, keys, k_cap):
+                return len(keys) < 2
+
+            def trim(self, keys):
+                return len(keys)
+
+        run = Run(tokens=tokens, cfg=SimpleNamespace(draft_min=0), vcfg=None, seed=0, drafter=drafter,
+                  stats=None, ctrl=Ctrl())
+        draft, _, drafted = run.choose_draft(4)
+        rows, seconds = drafter.catch_up
+        assert (len(draft), drafted, rows) == (2, 2, 31) and seconds > 0
+        assert run.switch_s == pytest.approx(seconds * 29 / 31)
+        tokens.extend(draft.tokens + [7])  # both accepted, then the target's token (the loop's commit)
+        drafter.observe(tokens, 2)
+        run.choose_draft(4)
+        assert drafter.catch_up[0] == 2 and run.switch_s == 0.0  # a drafting round's: nothing beyond
+    finally:
+        ctx.close()
+        m.close()
