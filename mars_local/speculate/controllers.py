@@ -27,12 +27,12 @@ def learned_keys(
 ) -> dict[str, str | None]:
     """The store keys of what the controllers learn: window costs (target, build,
     device), draft costs (both models: they share memory bandwidth) and the
-    fingerprints acceptance is keyed by (target, drafter).  ("draft2": draft costs
-    learned before a drafter's catch-up on plainly decoded tokens was kept out of
-    them were many times too high, and are not read.)"""
+    fingerprints acceptance is keyed by (target, drafter).  (Draft costs are keyed
+    "draft|v2|...": those learned before a drafter's catch-up on plainly decoded
+    tokens was kept out of them were many times too high, and are not read.)"""
     return {
         "costs": f"costs|{file_fingerprint(target)}|{build}|{device}|ngl{n_gpu_layers}",
-        "draft": f"draft2|{file_fingerprint(draft)}|{file_fingerprint(target)}|{build}|{device}"
+        "draft": f"draft|v2|{file_fingerprint(draft)}|{file_fingerprint(target)}|{build}|{device}"
                  f"|ngl{n_gpu_layers_draft}" if draft else None,
         "drafter": file_fingerprint(draft) if draft else f"{drafter}{ngram[0]}-{ngram[1]}",
         "target": file_fingerprint(target),
