@@ -171,13 +171,12 @@ def widen_model(src: str | os.PathLike, dst: str | os.PathLike, width: int = 768
         # numpy shapes are GGUF's reversed: (rows = outputs, columns = inputs)
         if name.endswith("norm.weight"):
             return pad_to(a.astype(np.float32) * norm_scale, 0, width)
-        if name == "token_embd.weight" or name == "output.weight":
-            return pad_to(a, 1, width)
         rest = name.split(".", 2)[-1]
         if rest == "attn_q.weight":
             return heads_to(pad_to(a, 1, width), 0)
-        if rest in ("attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"):
-            return pad_to(a, 1, width)
+        if name in ("token_embd.weight", "output.weight") or rest in (
+                "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight"):
+            return pad_to(a, 1, width)  # reads the stream: zero input columns
         if rest == "attn_output.weight":
             return pad_to(heads_to(a, 1), 0, width)
         if rest == "ffn_down.weight":

@@ -287,16 +287,16 @@ class AdaptiveK:
 
     def observe(
         self, k: int, n_accepted: int, t_target: float, t_draft: float, keys: Sequence[Hashable] | None = None,
-        drafted: int | None = None, t_switch: float = 0.0,
+        drafted: int | None = None,
     ) -> None:
         """One verify round: k drafts verified (with these keys), n_accepted kept, and what it cost.
 
         ``drafted``: tokens a draft model made for the round (>= k: trimmed ones
         count), whose time ``t_draft`` was; default k without keys (a draft
-        model), 0 with keys (a cheap drafter).  ``t_switch``: seconds a draft
-        model spent beyond that catching up on tokens decoded plainly since it
-        last drafted (not in ``t_draft``): what keeping a draft model costs,
-        owed whenever it drafts again, so it is not held against drafting nor
+        model), 0 with keys (a cheap drafter).  ``t_draft`` leaves out a draft
+        model's catch-up on tokens decoded plainly since it last drafted
+        (``run.catch_up_excess``): what keeping a draft model costs, owed
+        whenever it drafts again, so it is held neither against drafting nor
         against a probe (from the probe budget, it would starve probing: the
         catch-up on N plain rounds costs a few % of their time, the budget
         grows by 1 %).  Counted as a cost per drafted token, it made drafting

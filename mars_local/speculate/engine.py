@@ -32,7 +32,7 @@ from .drafters import EMPTY_DRAFT, Draft, Drafter, HeadDrafter, ModelDrafter, Ng
 from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 from ..core.config import MAX_DRAFT, Chunk, GenerateConfig, Generation, Stream
-from .run import Run as _Run
+from .run import Run as _Run, catch_up_excess
 from .target_access import TargetAccess
 from .grammar import GrammarState
 from .learned import LearnedStore, default_store
@@ -302,8 +302,12 @@ class Engine(TargetAccess):
             stats.time_target_s += t2 - t1
             stats.time_verify_s += t3 - t2
             if run.ctrl is not None:
-                run.ctrl.observe(len(draft), res.n_accepted, t2 - t1, t_draft - run.switch_s, draft.keys,
-                                 drafted=drafted, t_switch=run.switch_s)
+                # a draft model that drafted this round first caught up on the tokens decoded
+                # plainly since it last did: beyond the (at most) two rows a drafting round's
+                # first evaluation carries, that is not a cost of the tokens drafted now
+                catch_up = catch_up_excess(*run.drafter.catch_up) if drafted else 0.0
+                run.ctrl.observe(len(draft), res.n_accepted, t2 - t1, t_draft - catch_up, draft.keys,
+                                 drafted=drafted)
                 if shadow is not None:
                     run.ctrl.observe_shadow(shadow.tokens[0] == res.tokens[0], shadow.keys[0])
             chunk = run.emit(self._ctx, self.target, len(draft), res)

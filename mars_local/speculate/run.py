@@ -13,7 +13,7 @@ from ..core.verify import VerifyConfig
 from .adaptive import AdaptiveK
 from .drafters import EMPTY_DRAFT, Draft, Drafter
 
-__all__ = ["Run", "visible_tokens"]
+__all__ = ["Run", "catch_up_excess", "visible_tokens"]
 
 
 def visible_tokens(target, words) -> frozenset:
@@ -57,7 +57,6 @@ class Run:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
     shown: frozenset | None = None  # the control tokens whose text is shown (cfg.visible_special), once known
-    switch_s: float = 0.0  # the last draft's catch-up beyond a drafting round's (choose_draft)
 
     def pieces(self, target, tokens) -> list[bytes]:
         """The UTF-8 pieces of ``tokens``: control tokens hidden, but those cfg.visible_special names."""
@@ -131,7 +130,6 @@ class Run:
         and the number of tokens a costly drafter made (trimmed ones count)."""
         drafter, ctrl, tokens = self.drafter, self.ctrl, self.tokens
         shadow, drafted = None, 0
-        self.switch_s = 0.0
         if ctrl is None:
             draft = drafter.propose(tokens, k_cap) if k_cap > 0 else EMPTY_DRAFT
         elif drafter.cheap:
@@ -150,10 +148,6 @@ class Run:
             extend = (lambda keys: ctrl.extend(keys, k_cap)) if drafter.gives_keys else None
             full = drafter.propose(tokens, k_cap if extend else k, extend=extend)
             drafted = len(full)
-            # After rounds decoded plainly the drafter first caught up on their tokens:
-            # beyond the (at most) two rows a drafting round's first evaluation carries,
-            # that is the price of resuming drafting, not of the tokens drafted now
-            self.switch_s = catch_up_excess(*drafter.catch_up)
             m = min(ctrl.trim(full.keys), drafted) if full.keys else drafted
             draft = full if m == drafted else Draft(
                 full.tokens[:m], full.probs[:m] if full.probs is not None else None, full.keys[:m]

@@ -319,7 +319,7 @@ def simulate_lagging_draft(ctrl, accept, rounds=300, seed=0, fold=False, busy=()
             while m < k and rng.random() < accept:
                 m += 1
         t_target = standin_cost(k + 1) * (2.0 if k and r in busy else 1.0) * rng.uniform(0.95, 1.05)
-        ctrl.observe(k, m, t_target, t_draft - switch, drafted=k, t_switch=switch)
+        ctrl.observe(k, m, t_target, t_draft - switch, drafted=k)
         pending = (2 if m == k else 1) if k else pending + 1
         ks.append(k)
     return ks

@@ -443,13 +443,12 @@ def test_adaptive_draft_model_drafts_with_confidence_keys_and_stays_lossless(pla
 
 def test_a_draft_models_catch_up_after_plain_rounds_is_kept_out_of_its_draft_cost(tiny_target, tiny_draft):
     """A ModelDrafter evaluates the tokens decoded plainly since it last drafted in the first
-    evaluation of its next draft; the round reports that evaluation (rows, seconds) and the
-    loop hands the controller the share beyond a drafting round's two rows as t_switch,
-    not as drafting time."""
+    evaluation of its next draft; it reports that evaluation (rows, seconds), of which the
+    loop keeps the share beyond a drafting round's two rows out of the drafting time."""
     from types import SimpleNamespace
 
     from mars_local.speculate.drafters import ModelDrafter
-    from mars_local.speculate.run import Run
+    from mars_local.speculate.run import Run, catch_up_excess
 
     m = Model(tiny_draft, 0)
     ctx = Context(m, n_ctx=256, n_threads=2)
@@ -476,11 +475,11 @@ def test_a_draft_models_catch_up_after_plain_rounds_is_kept_out_of_its_draft_cos
         draft, _, drafted = run.choose_draft(4)
         rows, seconds = drafter.catch_up
         assert (len(draft), drafted, rows) == (2, 2, 31) and seconds > 0
-        assert run.switch_s == pytest.approx(seconds * 29 / 31)
+        assert catch_up_excess(rows, seconds) == pytest.approx(seconds * 29 / 31)
         tokens.extend(draft.tokens + [7])  # both accepted, then the target's token (the loop's commit)
         drafter.observe(tokens, 2)
         run.choose_draft(4)
-        assert drafter.catch_up[0] == 2 and run.switch_s == 0.0  # a drafting round's: nothing beyond
+        assert drafter.catch_up[0] == 2 and catch_up_excess(*drafter.catch_up) == 0.0  # a drafting round's
     finally:
         ctx.close()
         m.close()
