@@ -258,13 +258,13 @@ def standin_paths(blocks: int = 240, cache: Path = CACHE, width: int = NATIVE_WI
 
 
 def build(blocks: int = 240, kquant: bool = True, cache: Path = CACHE, log=print,
-          width: int = NATIVE_WIDTH) -> dict[str, Path]:
+          width: int = NATIVE_WIDTH, threads: int = 2) -> dict[str, Path]:
     """Make (or reuse) the F16 and Q4_K_M stand-ins of ``blocks`` blocks (``width`` wide)."""
     cache.mkdir(parents=True, exist_ok=True)
     base_f16 = cache / "SmolLM2-135M-Instruct.F16.gguf"
     if not base_f16.exists():
         log(f"requantizing the bundled model to F16 -> {base_f16}")
-        quantize(bundled_model(), base_f16, "LLAMA_FTYPE_MOSTLY_F16")
+        quantize(bundled_model(), base_f16, "LLAMA_FTYPE_MOSTLY_F16", threads)
     if width != NATIVE_WIDTH:
         wide_f16 = cache / f"SmolLM2-135M-Instruct.w{width}.F16.gguf"
         if not wide_f16.exists():
@@ -277,7 +277,7 @@ def build(blocks: int = 240, kquant: bool = True, cache: Path = CACHE, log=print
         pad_model(base_f16, paths["f16"], blocks)
     if kquant and not paths["q4_k_m"].exists():
         log(f"quantizing to Q4_K_M -> {paths['q4_k_m']}")
-        quantize(paths["f16"], paths["q4_k_m"], "LLAMA_FTYPE_MOSTLY_Q4_K_M")
+        quantize(paths["f16"], paths["q4_k_m"], "LLAMA_FTYPE_MOSTLY_Q4_K_M", threads)
     if not kquant:
         paths.pop("q4_k_m")
     for name, p in paths.items():
@@ -293,6 +293,7 @@ def main(argv=None) -> int:
                     help=f"widen SmolLM2 first (multiple of 192; {KQUANT_WIDTH} makes the K-quant stand-in, "
                          f"use it with --blocks {KQUANT_BLOCKS}; default: %(default)s, not widened)")
     ap.add_argument("--cache", type=Path, default=CACHE, help="output folder (default: %(default)s)")
+    ap.add_argument("-t", "--threads", type=int, default=2, help="quantization threads (default: %(default)s)")
     a = ap.parse_args(argv)
     if a.blocks < 30:
         print("error: --blocks must be at least 30 (the model's own blocks)", file=sys.stderr)
@@ -300,7 +301,10 @@ def main(argv=None) -> int:
     if a.width < NATIVE_WIDTH or a.width % 192:
         print(f"error: --width must be a multiple of 192 and at least {NATIVE_WIDTH}", file=sys.stderr)
         return 2
-    build(a.blocks, not a.no_kquant, a.cache, width=a.width)
+    if a.threads < 1:
+        print("error: --threads must be at least 1", file=sys.stderr)
+        return 2
+    build(a.blocks, not a.no_kquant, a.cache, width=a.width, threads=a.threads)
     return 0
 
 
