@@ -463,7 +463,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> dict:
+def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, rows: list[dict]) -> dict:
+    """Every configuration at every N; each row is appended to ``rows`` as it is measured (an
+    interrupted sweep keeps the rows it has)."""
     for flag, path in (("-m", a.model), ("-md", a.draft)):
         if not Path(path).is_file():
             raise BenchError(f"{flag}: no such file: {path}")
@@ -478,8 +480,11 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> 
                     "llama-server rows skipped")
             print(f"serve_bench: note: {note}", file=sys.stderr)
             notes.append(note)
-    rows: list[dict] = []
     commands: dict[str, str] = {}
+
+    def measured(row: dict) -> None:
+        rows.append(row)
+        log(f"  {row['tokens_per_s']:.1f} tok/s, TTFT mean {fmt(row['ttft_mean_ms'], '.0f')} ms")
 
     def log(msg: str) -> None:
         print(f"serve_bench: {msg}", file=sys.stderr, flush=True)
@@ -498,7 +503,7 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> 
             warm_up(a, config, srv.url, prompts)
             for n in ns:
                 log(f"{config}, {n} client(s), --parallel {parallel}")
-                rows.append(run_config(a, config, srv.url, n, prompts, stop))
+                measured(run_config(a, config, srv.url, n, prompts, stop))
             srv.stop()
 
     # llama-server: -np N, so one process per (config, N)
@@ -513,7 +518,7 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> 
                 srv.wait_health(f"http://127.0.0.1:{port}", a.startup_timeout)
                 warm_up(a, config, srv.url, prompts)
                 log(f"{config}, {n} client(s)")
-                rows.append(run_config(a, config, srv.url, n, prompts, stop))
+                measured(run_config(a, config, srv.url, n, prompts, stop))
                 srv.stop()
         notes.append("llama-server runs with -np N = the number of clients (N slots decoded together: its normal "
                      "way of serving concurrent clients) and -c = N x this -c (it splits -c among its slots; "
@@ -523,6 +528,18 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event) -> 
     order = {c: i for i, c in enumerate(CONFIGS)}
     rows.sort(key=lambda r: (r["clients"], order[r["config"]]))
     return {"rows": rows, "notes": notes, "servers": commands}
+
+
+def write_json(a: argparse.Namespace, command: str, result: dict) -> bool:
+    settings = {k: v for k, v in vars(a).items() if k != "clients"}
+    settings["clients"] = settings.pop("clients_list")
+    doc = {"command": command, "settings": settings, **result}
+    try:
+        Path(a.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        print(f"serve_bench: error: cannot write {a.json}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -535,13 +552,18 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    rows: list[dict] = []
     try:
-        result = run(a, servers, stop)
+        result = run(a, servers, stop, rows)
     except BenchError as exc:
         print(f"serve_bench: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("serve_bench: interrupted", file=sys.stderr)
+        print(f"serve_bench: interrupted ({len(rows)} row(s) measured)", file=sys.stderr)
+        if rows:
+            print(table(rows))
+            if a.json:
+                write_json(a, command, {"rows": rows, "notes": ["interrupted: a partial sweep"], "servers": {}})
         return 130
     finally:
         stop.set()
@@ -557,15 +579,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     print("note: τ = tokens per target forward (usage.speculative.mean_accepted_length, mean over requests), "
           "where the server reports it; accept = accepted / drafted draft tokens")
-    if a.json:
-        settings = {k: v for k, v in vars(a).items() if k != "clients"}
-        settings["clients"] = settings.pop("clients_list")
-        doc = {"command": command, "settings": settings, **result}
-        try:
-            Path(a.json).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        except OSError as exc:
-            print(f"serve_bench: error: cannot write {a.json}: {exc}", file=sys.stderr)
-            return 2
+    if a.json and not write_json(a, command, result):
+        return 2
     return 0
 
 

@@ -69,3 +69,31 @@ def test_server_that_fails_to_start_is_one_line(not_gguf, tiny_draft):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr
     assert lines[0].startswith("serve_bench: error: mars serve") and "Traceback" not in p.stderr
+
+
+def test_an_interrupted_sweep_keeps_the_rows_it_measured(tiny_target, tiny_draft, tmp_path):
+    """Ctrl-C (or a timeout's SIGINT) after the first row: that row is printed and saved, exit 130."""
+    import signal
+
+    out = tmp_path / "rows.json"
+    p = subprocess.Popen([sys.executable, str(SCRIPT), "-m", str(tiny_target), "-md", str(tiny_draft), "--no-peers",
+                          "--clients", "1,2,4", "--requests", "1", "-n", "8", "--json", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, stdin=subprocess.DEVNULL)
+    try:
+        err = []
+        for line in p.stderr:  # the per-row result line comes as soon as a row is measured
+            err.append(line)
+            if "tok/s, TTFT mean" in line:
+                p.send_signal(signal.SIGINT)
+                break
+        stdout, rest = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = "".join(err) + rest
+    assert p.returncode == 130, err
+    assert "interrupted (" in err and "Traceback" not in err
+    doc = json.loads(out.read_text())
+    assert 1 <= len(doc["rows"]) < 6 and doc["rows"][0]["config"] == "mars spec"
+    assert "interrupted" in doc["notes"][0]
+    assert "| mars spec | 1 |" in stdout
