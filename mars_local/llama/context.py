@@ -153,6 +153,12 @@ def context_params(model: Model, n_ctx, n_batch: int = DEFAULTS.n_batch, n_threa
     if flash_attn is not None:
         cp.flash_attn_type = 1 if flash_attn else 0
     cp.type_k = cp.type_v = KV_TYPES[kv_type]
+    if getattr(model, "cpu_exact_on_gpu_build", False):
+        # an exact target kept on the CPU of a GPU build: llama.cpp offloads a forward of 32+ rows
+        # of CPU-resident weights to the GPU, whose kernels differ from the CPU's single-row ones, so
+        # windows of 32-64 rows (8 sequences of 4 rows) would not equal lone rows (measured on an
+        # H200: 33-row windows differ, 17-row ones do not).  Prompts then stay on the CPU too.
+        cp.op_offload = False
     if model.rollback_depth:  # recurrent states kept for a rollback of a draft (llama/recurrent.py)
         cp.n_rs_seq = model.rollback_depth
     return cp, _CtxInfo(requested, n_ctx, n_batch, threads, kv_bytes)

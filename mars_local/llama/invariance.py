@@ -16,8 +16,8 @@ __all__ = ["batch_invariance", "model_invariance"]
 
 
 def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48, exact_kernels: bool = True,
-                     n_threads: int | None = None, prompt: str = "The history of the printing press begins"
-                     ) -> dict[int, tuple[int, float]]:
+                     n_threads: int | None = None, prompt: str = "The history of the printing press begins",
+                     n_gpu_layers: int | None = None) -> dict[int, tuple[int, float]]:
     """Does a position's logits row depend on how many rows its forward had?
 
     Strict greedy speculative output equals plain greedy output token for token
@@ -25,8 +25,12 @@ def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48
     forward, speculation in (k+1)-row verify windows.  Decodes ``n`` tokens
     plainly, re-evaluates the same tokens in windows of each size, and returns
     {window: (rows that differ bit for bit, largest absolute difference)}.
+    ``n_gpu_layers``: as :class:`Model` (None: every layer on a GPU build's GPU, as the engine loads
+    a target).  On a GPU build, layers left on the CPU have their forwards of 32+ rows offloaded to
+    the GPU by llama.cpp ("op offload"), so there a 33-row window of a CPU-resident layer runs GPU
+    kernels.
     """
-    m = Model(path, 0, exact_kernels=exact_kernels)
+    m = Model(path, n_gpu_layers, exact_kernels=exact_kernels)
     try:
         return model_invariance(m, windows, n, n_threads, prompt)
     finally:

@@ -26,7 +26,9 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     feats = cpu_features(system_info)
     if backend != "cpu":
         return {"all": f"{backend} kernels for offloaded layers: strict == plain is not guaranteed bit for bit "
-                       "there (the CPU rows below apply to layers left on the CPU)"}
+                       "there (an H200: lone sequences matched plain token for token, 8 batched ones did not; "
+                       "check a GPU with benchmarks/batch_invariance.py); a target loaded with -ngl 0 takes the CPU's "
+                       "exact kernels, its 32+-row forwards kept off the GPU"}
     x86 = bool(feats & {"AVX", "AVX2", "AVX512"})
     if not (x86 and "LLAMAFILE" in feats):
         return {"all": "ggml's dot kernels for every batch of up to 64 rows (exact; a window of k+1 rows "
