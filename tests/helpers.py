@@ -13,6 +13,7 @@ import sys
 from functools import cache
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 MARS = [sys.executable, "-m", "mars_local"]  # the package's __main__
 MARS_SCRIPT = [str(Path(sys.executable).with_name("mars"))]  # the installed console script
 
@@ -107,3 +108,13 @@ def api_error(r, status: int, code: str | None = None, param: str | None = None)
     assert code is None or e["code"] == code
     assert param is None or e["param"] == param
     return e
+
+
+def benchmark_script(name: str):
+    """A script of benchmarks/ imported as a module (``name`` without .py), for its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -14,7 +14,7 @@ import pytest
 from mars_local import bench as B
 from mars_local.core.errors import MarsError
 
-from helpers import invoke, run_python
+from helpers import benchmark_script, invoke, run_python
 
 ROW_KEYS = {
     "category", "method", "theta", "k", "tokens_per_second", "speedup_vs_plain", "acceptance_rate",
@@ -591,11 +591,7 @@ def test_thetas_parse():
 
 
 def test_report_script_renders_markdown(tmp_path, capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("report", Path(__file__).parents[2] / "benchmarks" / "report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
+    report = benchmark_script("report")
     base = dict(acceptance_rate=None, mean_accepted_length=1.0, relaxed_share=None, token_agreement=1.0,
                 nll_ratio=1.0, vs_best_fixed=None)
     runs = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -11,16 +10,15 @@ import pytest
 from mars_local.llama.context import Context
 from mars_local.llama.runtime import Model
 
+from helpers import benchmark_script
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _standin_module():
-    spec = importlib.util.spec_from_file_location("make_standin", ROOT / "benchmarks" / "make_standin.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_script("make_standin")
 
 
 @pytest.fixture(scope="module")

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers import benchmark_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("strict_vs_plain", ROOT / "benchmarks" / "strict_vs_plain.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_script("strict_vs_plain")
 
 
 def test_first_difference_table():
