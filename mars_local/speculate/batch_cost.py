@@ -17,19 +17,21 @@ MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (l
 
 
 # ------------------------------------------------------------ the choice
-def choose_window(accepts: Sequence[Sequence[float]], costs: Sequence[float], k_max: int) -> int:
+def choose_window(accepts: Sequence[Sequence[float]], costs: Sequence[float], k_max: int, k_min: int = 0) -> int:
     """The round's draft length k (pure).
 
     ``accepts[i]``: the estimated acceptance of each token of sequence i's draft
     (its length caps what it can gain); ``costs[R - 1]``: seconds of one forward of
-    R rows.  Returns argmax over k = 0..k_max of sum_i E_i[tokens | k] / costs[n(k+1) - 1],
-    where E_i is the expected accepted prefix of min(k, len) drafts plus one token.
+    R rows.  Returns argmax over k = k_min..k_max of sum_i E_i[tokens | k] / costs[n(k+1) - 1],
+    where E_i is the expected accepted prefix of min(k, len) drafts plus one token
+    (``k_min`` = 1: a round that drafted to find out what drafting delivers verifies a draft).
     """
     n = len(accepts)
     if n == 0:
         return 0
-    best_k, best = 0, -1.0
-    for k in range(0, k_max + 1):
+    k_min = min(k_min, k_max)
+    best_k, best = k_min, -1.0
+    for k in range(k_min, k_max + 1):
         rows = n * (k + 1)
         if rows > len(costs):
             break

@@ -307,7 +307,9 @@ class Scheduler:
         drafts = self._draft_all(seqs, [min(c, k_room) for c in caps])
         t_draft = clock() - t0
         self.cost.observe_draft(sum(len(d) for d in drafts), t_draft)
-        k = self._choose_k(seqs, drafts, k_room)
+        # a round DraftOrNot chose to draft verifies a draft: k = 0 would pay the draft (and a draft
+        # model's catch-up) and leave drafting's rate unmeasured, so the same trial would come again
+        k = self._choose_k(seqs, drafts, k_room, k_min=1 if drafting else 0)
         self.last_k, self.last_rows = k, len(seqs) * (k + 1)
         windows = []
         for s, d in zip(seqs, drafts):
@@ -387,7 +389,7 @@ class Scheduler:
         d = run.drafter.propose(run.tokens, k_cap)
         return d if len(d) >= max(run.cfg.draft_min, 1) else EMPTY_DRAFT
 
-    def _choose_k(self, seqs: list[_Seq], drafts: list[Draft], k_room: int) -> int:
+    def _choose_k(self, seqs: list[_Seq], drafts: list[Draft], k_room: int, k_min: int = 0) -> int:
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 0
@@ -400,7 +402,7 @@ class Scheduler:
             keys = d.keys if d.keys is not None else [None] * len(d)
             accepts.append([ctrl.acceptance(key) for key in keys] if ctrl is not None else [1.0] * len(d))
         prior = next((s.run.ctrl for s in seqs if s.run.ctrl is not None), None)
-        return choose_window(accepts, self.cost.costs(prior), min(longest, k_room))
+        return choose_window(accepts, self.cost.costs(prior), min(longest, k_room), k_min)
 
     def _finish_round(self, s: _Seq, d: Draft, z: np.ndarray, t_target: float, t_draft: float,
                       from_prompt: bool = False) -> None:

@@ -44,6 +44,48 @@ def test_choose_window(accepts, slope, k_max, expect):
     assert choose_window(accepts, costs, k_max) == expect
 
 
+@pytest.mark.parametrize("accepts, slope, k_max, expect", [
+    ([[0.05] * 8], 0.5, 8, 1),                # bad drafts: the shortest draft, not none
+    ([[0.8] * 8] * 8, 1.0, 7, 1),             # compute-bound rows: one draft token each
+    ([[0.9] * 8], 0.1, 8, 8),                 # where drafting pays, the floor changes nothing
+])
+def test_choose_window_with_a_floor_of_one_draft_token(accepts, slope, k_max, expect):
+    """A round DraftOrNot chose to draft (a trial of drafting) verifies at least one draft token."""
+    costs = [1.0 + slope * (r - 1) for r in range(1, 65)]
+    assert choose_window(accepts, costs, k_max, k_min=1) == expect
+
+
+def test_a_round_chosen_to_draft_verifies_a_draft_even_where_the_cost_model_says_plain(engines):
+    """DraftOrNot's trials of drafting must measure drafting: where the plan prefers plain rounds,
+    a round it chose to draft used to draft (a draft model catching up first) and then verify
+    nothing (k = 0), so drafting's rate was never measured and the wasted trial came back."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 2)
+    try:
+        sched.calibrated = True
+        sched.cost.costs = lambda prior=None: [1.0 + 2.0 * (r - 1) for r in range(1, 65)]  # rows dear: plan k = 0
+        sched.mode.choose = lambda planned: True  # every round a trial of drafting
+        ks = []
+        step = sched.step
+
+        def recording_step(*a, **kw):
+            sched.last_k = -1
+            out = step(*a, **kw)
+            if sched.last_k >= 0:
+                ks.append(sched.last_k)
+            return out
+
+        sched.step = recording_step
+        outs = sched.generate_many(PROMPTS[:2], max_tokens=12, temperature=0, ignore_eos=True, verify="strict")
+    finally:
+        sched.close()
+    # (the last round has one token left to generate: no room for a draft)
+    assert len(ks) > 2 and all(k >= 1 for k in ks[:-1]), str(ks)
+    assert sum(o.stats.n_drafted for o in outs) > 0
+    for p, o in zip(PROMPTS[:2], outs):  # and strict greedy stays exact
+        assert o.tokens == plain(eng, p, 12)
+
+
 def test_the_round_shrinks_k_as_sequences_join():
     costs = [1.0 + 0.25 * (r - 1) for r in range(1, 65)]  # a 2-core CPU: 8 rows cost ~3 rows
     ks = [choose_window([[0.7] * 8] * n, costs, 63 // n) for n in (1, 2, 4, 8, 16)]
