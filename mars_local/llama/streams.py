@@ -283,6 +283,29 @@ class MultiContext(OwnsContext):
 
 
 
+    def extend(self, parts: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Append each (sequence, tokens), no output rows, in as few decodes as they fit in
+        (``n_batch`` rows each; a part longer than the room left goes on in the next decode).
+        For a unified cache (a draft model catching up on several sequences at once): one
+        decode instead of one per sequence, and above 64 rows prefill's faster kernels."""
+        if not self.unified:
+            raise ValueError("extend packs sequences into shared decodes: a unified cache only")
+        for s, toks in parts:
+            if len(self.seqs[s].tokens) + len(toks) > self.n_ctx:
+                raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+        batch, room = [], self.n_batch
+        for s, toks in parts:
+            toks, i = list(toks), 0
+            while i < len(toks):
+                take = min(room, len(toks) - i)
+                batch.append((s, toks[i:i + take], 0))
+                i, room = i + take, room - take
+                if room == 0:
+                    self._decode(batch)
+                    batch, room = [], self.n_batch
+        if batch:
+            self._decode(batch)
+
     def copy_prefix(self, src: int, dst: int, n: int) -> None:
         """Make sequence ``dst`` hold the first ``n`` cells of ``src`` (their keys and values,
         bit for bit).  Per-sequence streams copy the whole stream buffer (llama.cpp copies

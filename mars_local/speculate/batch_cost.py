@@ -108,20 +108,32 @@ class DraftOrNot:
     """Whether a round drafts, from what rounds really delivered (pure).
 
     The plan's cost model (forward costs, a draft model's cost per token) can be wrong in
-    ways it cannot see: a draft model that skipped rounds must catch up with every token it
-    missed, and its batched decodes cost what they cost.  So the tokens per second of whole
-    rounds (drafting included) are kept for drafting rounds and plain ones (decayed means);
-    once both are known the better one is used, the other tried after ``explore`` rounds so
-    that a change of load is seen, and after twice as many each time it loses again (up to
-    512: a trial costs a switch, e.g. a draft model catching up with every sequence).  Until
-    then the plan decides, and a mode never tried is tried after ``explore`` rounds.
+    ways it cannot see, e.g. what its batched decodes really cost.  So the tokens per second
+    of whole rounds (drafting included) are kept for drafting rounds and plain ones (decayed
+    means); once both are known the better one is used, the other tried after ``explore``
+    rounds, and after twice as many each time it loses again (up to 512).  Until then the
+    plan decides, and a mode never tried is tried after ``explore`` rounds.
+
+    What the rounds' rates leave out is the price of a switch to drafting: a draft model that
+    skipped rounds catches up with every sequence's missed tokens first (at 8 sequences, a
+    few plain rounds' time).  Hence three rules:
+
+    * hysteresis: from plain rounds, drafting is taken up only where its rounds deliver
+      ``enter`` (10 %) more; between the margins the current mode stays;
+    * a trial of drafting, once drafting has been measured, only while the plan says drafting
+      pays: the plan sees a change of load (its forward costs are per row count) and what
+      drafting costs and delivers (learned from drafting rounds), so where it and the rates
+      both say plain a trial would only pay a catch-up again;
+    * the trials' gap starts again at ``explore`` when the plan changes its mind (the load or
+      the acceptance changed), not when the rates cross near the break-even, where noise would
+      bring a trial, and its catch-up, every ``explore`` rounds.
     """
 
-    def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03):
-        self.decay, self.explore, self.margin = decay, explore, margin
+    def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03, enter: float = 1.10):
+        self.decay, self.explore, self.margin, self.enter = decay, explore, margin, enter
         self._rate = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # tokens, seconds, rounds
         self._since = {True: 0, False: 0}
-        self._gap, self._best = explore, None
+        self._gap, self._planned, self._mode = explore, None, None
 
     def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
         r = self._rate[drafted]
@@ -134,18 +146,20 @@ class DraftOrNot:
     def choose(self, planned: bool) -> bool:
         """Draft this round?  ``planned``: what the cost model says."""
         rd, rp = self.rate(True), self.rate(False)
+        if planned != self._planned:  # the plan changed its mind: try the other again soon
+            self._planned, self._gap = planned, self.explore
         if rd is None or rp is None:
             pick = planned
-        elif rd > rp * self.margin:
+        elif rd > rp * (self.margin if self._mode else self.enter):
             pick = True
         elif rp > rd * self.margin:
             pick = False
-        else:
-            pick = planned
-        if pick != self._best:  # a new regime: try the other again soon
-            self._best, self._gap = pick, self.explore
-        if self._since[not pick] >= self._gap:
-            pick = not pick
+        else:  # near the break-even: no switch
+            pick = planned if self._mode is None else self._mode
+        self._mode = pick
+        hopeless = not pick and not planned and rd is not None  # a trial of drafting nobody expects to win
+        if self._since[not pick] >= self._gap and not hopeless:
+            pick = not pick  # a trial (the mode stays)
             self._gap = min(2 * self._gap, 512)
         self._since[pick] = 0
         self._since[not pick] += 1

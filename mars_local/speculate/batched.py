@@ -354,14 +354,28 @@ class Scheduler:
         draft prefills lazily, when drafting is first planned; or the tokens of rounds that did
         not draft) is brought up to date before the round's draft is timed: drafting's cost per
         token and its rounds' rate are those of drafting every round (the catch-up is the price
-        of switching, paid once)."""
-        for s in seqs:
-            dv, toks = s.dview, s.run.tokens
-            if dv is not None and not s.run.drafter.cheap and len(toks) - 1 - dv.n_past > 2:
-                t0 = time.perf_counter()
-                self._guard(s, lambda: dv.eval(toks[dv.n_past:-1], n_out=0))
-                if not s.run.generated:
-                    s.run.stats.time_prompt_s += time.perf_counter() - t0
+        of switching, paid once).  Every lagging sequence catches up in the same decodes (a
+        unified draft cache), so a switch costs one prefill of the rows missed, not one per
+        sequence."""
+        lag = [s for s in seqs if s.dview is not None and not s.run.drafter.cheap
+               and len(s.run.tokens) - 1 - s.dview.n_past > 2]
+        if not lag:
+            return
+        t0 = time.perf_counter()
+        missed = [len(s.run.tokens) - 1 - s.dview.n_past for s in lag]
+        packed = self.dmc.unified
+        if packed:
+            try:
+                self.dmc.extend([(s.dview.seq_id, s.run.tokens[s.dview.n_past:-1]) for s in lag])
+            except Exception:  # noqa: BLE001 - then each sequence alone, a failure ending it only
+                packed = False
+        if not packed:  # (per-sequence streams, e.g. an MTP layer's: one sequence per decode)
+            for s in lag:
+                self._guard(s, lambda: s.dview.eval(s.run.tokens[s.dview.n_past:-1], n_out=0))
+        dt = time.perf_counter() - t0
+        for s, n in zip(lag, missed):
+            if not s.run.generated:  # the draft's prompt: a share of the prefill, by rows
+                s.run.stats.time_prompt_s += dt * n / sum(missed)
 
     def _draft_all(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
         """Every sequence's draft: cheap drafters propose on their own; draft models draft in

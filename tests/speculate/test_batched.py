@@ -10,6 +10,7 @@ import pytest
 
 from mars_local import Engine
 from mars_local.llama.context import MAX_INVARIANT_ROWS, Context, last_rides
+from mars_local.core.errors import MarsError
 from mars_local.llama.runtime import Model
 from mars_local.llama.streams import MultiContext, exact_reuse
 from mars_local.speculate.batch_cost import BatchCost, choose_window
@@ -113,6 +114,41 @@ def test_draft_or_not_follows_the_rates_rounds_delivered_and_keeps_trying_the_ot
     for _ in range(20):
         m.observe(False, 90, 1.0)  # the load changed: plain rounds now deliver more
     assert [m.choose(True) for _ in range(5)].count(False) >= 3
+
+
+def test_draft_or_not_tries_drafting_again_only_while_the_plan_says_it_pays():
+    """Once drafting was measured and lost, a trial of it (a draft model catching up with every
+    sequence) comes back only while the plan says drafting pays; a trial of plain rounds, which
+    costs nothing to switch to, comes back whatever the plan says."""
+    from mars_local.speculate.batch_cost import DraftOrNot
+
+    m = DraftOrNot(explore=4)
+    assert [m.choose(False) for _ in range(5)] == [False] * 4 + [True]  # never measured: tried once
+    for _ in range(3):
+        m.observe(True, 30, 1.0)   # drafting rounds: 30 tok/s
+        m.observe(False, 45, 1.0)  # plain rounds: 45 tok/s
+    assert True not in [m.choose(False) for _ in range(100)]  # the plan and the rates agree: no trials
+    picks = [m.choose(True) for _ in range(40)]  # the plan says drafting pays now (e.g. the load fell)
+    assert 1 <= picks.count(True) <= 4, picks  # tried, the rates still say plain: rarely
+    for _ in range(3):
+        m.observe(True, 90, 1.0)  # and drafting did pay
+    assert [m.choose(False) for _ in range(10)].count(True) >= 7  # drafting, plain tried now and then
+    assert False in [m.choose(False) for _ in range(40)]
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_draft_or_not_keeps_its_mode_near_the_break_even(planned):
+    """Drafting rounds 5 % better: below the 10 % a switch to drafting needs (a draft model's
+    catch-up on every sequence), above the 3 % that keeps it; so whichever mode runs, stays."""
+    from mars_local.speculate.batch_cost import DraftOrNot
+
+    for start in (False, True):
+        m = DraftOrNot(explore=1000)
+        m.choose(start)  # the plan's first word sets the mode
+        for _ in range(3):
+            m.observe(True, 42, 1.0)
+            m.observe(False, 40, 1.0)
+        assert [m.choose(planned) for _ in range(20)] == [start] * 20
 
 
 class LonePrior:
@@ -234,6 +270,68 @@ def test_windows_of_many_sequences_equal_lone_windows_bit_for_bit(request, targe
     mc.close()
     for c in lone:
         c.close()
+
+
+def test_extend_packs_several_sequences_catch_up_into_full_decodes(tiny_target):
+    """A unified cache's catch-up on several sequences: decodes of n_batch rows (a part split
+    where the room ends), each sequence holding its tokens, the next row as a lone cache's."""
+    m = Model(tiny_target, 0)
+    rng = random.Random(1)
+    mc = MultiContext(m, 4, 256, n_batch=32, n_threads=2, unified=True)
+    parts = [(s, [rng.randrange(m.n_vocab) for _ in range(n)]) for s, n in ((0, 20), (2, 30), (3, 9))]
+    before = mc.n_decodes
+    mc.extend(parts)
+    assert mc.n_decodes - before == 2  # 59 rows in decodes of 32 (one sequence split across two)
+    assert [mc.seq(s).tokens for s in range(4)] == [parts[0][1], [], parts[1][1], parts[2][1]]
+    for s, toks in parts:
+        lone = Context(m, 256, n_threads=2)
+        want = lone.eval(toks + [7], 1).copy()
+        lone.close()
+        got = mc.seq(s).eval([7], 1)
+        assert np.allclose(got, want, atol=1e-3), s  # unified cells: not bit for bit, the same values
+    with pytest.raises(MarsError, match="context is full"):
+        mc.extend([(1, [5] * 10), (0, [5] * 300)])
+    assert mc.seq(1).tokens == []  # nothing decoded for a request refused up front
+    mc.close()
+    streams = MultiContext(m, 2, 64, n_threads=2)
+    with pytest.raises(ValueError):
+        streams.extend([(0, [1, 2])])  # per-sequence streams: one sequence per decode, not packed
+    streams.close()
+
+
+def test_a_draft_model_catches_up_on_every_sequence_in_one_decode(engines):
+    """Switching to drafting after plain rounds: the draft model catches up on every sequence's
+    missed tokens in shared decodes, not one decode per sequence, and strict output stays exact."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 4)
+    try:
+        sched.calibrated = True
+        rounds = [0]
+        sched.mode.choose = lambda planned: rounds[0] >= 6  # plain rounds, then a switch to drafting
+        catch_ups = []
+        extend = sched.dmc.extend
+
+        def counting_extend(parts):
+            n = sched.dmc.n_decodes
+            extend(parts)
+            catch_ups.append((len(parts), sched.dmc.n_decodes - n))
+
+        sched.dmc.extend = counting_extend
+        step = sched.step
+
+        def counting_step(*a, **kw):
+            out = step(*a, **kw)
+            rounds[0] += 1
+            return out
+
+        sched.step = counting_step
+        outs = sched.generate_many(PROMPTS[:4], max_tokens=16, temperature=0, ignore_eos=True, verify="strict")
+    finally:
+        sched.close()
+    assert catch_ups and catch_ups[0] == (4, 1), catch_ups  # four sequences' prompts and rounds: one decode
+    assert sum(o.stats.n_drafted for o in outs) > 0
+    for p, o in zip(PROMPTS[:4], outs):
+        assert o.tokens == plain(eng, p, 16)
 
 
 # ------------------------------------------------------------- exactness
