@@ -2,7 +2,7 @@
 """Serving throughput and latency: `mars serve` against llama-server, with N concurrent clients.
 
     .venv/bin/python benchmarks/serve_bench.py -m TARGET.gguf -md DRAFT.gguf \\
-        [--clients 1,4] [--requests 2] [-n 64] [-t 2] [-c 4096] [--verify strict] \\
+        [--clients 1,4] [--requests 2] [-n 64] [-t 2] [-c 4096] [--verify strict] [--repeat R] \\
         [--llama-bin .cache/llama-bin | --no-peers] [--prompts FILE] [--json OUT.json]
 
 What it measures.  For each configuration and each client count N, N client
@@ -39,6 +39,16 @@ context of one sequence: mars serve gets it as is (each sequence holds -c
 tokens), llama-server gets N x -c (it splits -c among its slots).  Every server
 gets one short warm-up request per configuration (not counted) before its timed
 run, and is stopped (SIGINT, then kill) at the end, on errors and on Ctrl-C too.
+
+Noise (--repeat R, with --parallel match): the whole sweep R times, interleaved:
+round 1 runs every configuration at the first N, then at the next N, ...; then
+round 2 the same.  So the four rows compared at one N are measured minutes apart,
+not a whole sweep apart, and each ratio is taken within a round.  After the rows
+comes a table of medians over the rounds: tokens/s per configuration, and the
+ratios mars best / llama-server best, mars plain / llama-server plain, mars spec
+/ mars plain and TTFT (mars' lowest mean / llama-server's lowest) as median
+(min-max) of the rounds' ratios.  One round on a busy 2-core machine moves a
+figure by 10-20 %; state a ratio only where its range allows it.
 
 Completion tokens come from ``usage.completion_tokens`` of the final chunk;
 for a llama-server without it, from ``timings.predicted_n``, else by counting
@@ -392,6 +402,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--parallel", default="match",
                    help="mars serve's --parallel: 'match' (default: one server per client count N, started "
                         "with --parallel N, as llama-server gets -np N) or a number for one server for every N.")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="Rounds of the whole sweep, interleaved per N, with a table of medians (default 1).")
     p.add_argument("--verify", choices=("strict", "mars"), default="strict",
                    help="mars serve's --verify (default strict).")
     p.add_argument("--draft-max", type=int, default=None,
@@ -419,6 +431,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.clients_list = list(dict.fromkeys(a.clients_list))
     if a.parallel != "match" and not (a.parallel.isdigit() and int(a.parallel) >= 1):
         p.error(f"--parallel must be 'match' or an integer >= 1, got {a.parallel!r}")
+    if a.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {a.repeat}")
+    if a.repeat > 1 and a.parallel != "match":
+        p.error("--repeat needs --parallel match (rounds of fresh servers per N)")
     for name, v, lo in (("--requests", a.requests, 1), ("-n/--max-tokens", a.max_tokens, 1),
                         ("-t/--threads", a.threads, 1), ("-c", a.ctx_size, 0), ("--draft-max", a.draft_max, 1)):
         if v is not None and v < lo:
@@ -454,10 +470,12 @@ def fmt(v, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| config | clients | requests | req/s | tok/s | TTFT mean ms | TTFT median ms | τ | accept |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rounds = len({r.get("round", 1) for r in rows}) > 1
+    out = [("| round " if rounds else "") + "| config | clients | requests | req/s | tok/s | TTFT mean ms | "
+           "TTFT median ms | τ | accept |", ("|---:" if rounds else "") + "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        out.append(f"| {r['config']} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | "
+        out.append((f"| {r.get('round', 1)} " if rounds else "") +
+                   f"| {r['config']} | {r['clients']} | {r['requests']} | {r['requests_per_s']:.2f} | "
                    f"{r['tokens_per_s']:.1f} | {fmt(r['ttft_mean_ms'], '.0f')} | {fmt(r['ttft_median_ms'], '.0f')} | "
                    f"{fmt(r['tau'], '.2f')} | {fmt(r['acceptance_rate'], '.0%')} |")
     return "\n".join(out)
@@ -489,45 +507,111 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, row
     def log(msg: str) -> None:
         print(f"serve_bench: {msg}", file=sys.stderr, flush=True)
 
-    # mars: --parallel match: one fresh process per (config, N) with --parallel N, as llama-server
-    # gets (a process that ran the other config would hold these prompts in its prefix caches);
-    # --parallel P: one process per config for every N
-    groups = ([(n, [n]) for n in a.clients_list] if a.parallel == "match"
-              else [(int(a.parallel), a.clients_list)])
-    for parallel, ns in groups:
-        for config in ("mars spec", "mars plain"):
-            srv = Server(f"mars serve (--parallel {parallel})", mars_command(a, max(ns), parallel))
-            servers.append(srv)
-            commands[f"mars serve, --parallel {parallel}"] = shlex.join(srv.cmd)
-            srv.wait_ready_line(a.startup_timeout)
-            warm_up(a, config, srv.url, prompts)
-            for n in ns:
-                log(f"{config}, {n} client(s), --parallel {parallel}")
-                measured(run_config(a, config, srv.url, n, prompts, stop))
-            srv.stop()
+    def mars_row(config: str, parallel: int, ns: list[int], rnd: int) -> None:
+        srv = Server(f"mars serve (--parallel {parallel})", mars_command(a, max(ns), parallel))
+        servers.append(srv)
+        commands[f"mars serve, --parallel {parallel}"] = shlex.join(srv.cmd)
+        srv.wait_ready_line(a.startup_timeout)
+        warm_up(a, config, srv.url, prompts)
+        for n in ns:
+            log(f"{config}, {n} client(s), --parallel {parallel}" + (f", round {rnd}" if a.repeat > 1 else ""))
+            measured(dict(run_config(a, config, srv.url, n, prompts, stop), round=rnd))
+        srv.stop()
 
-    # llama-server: -np N, so one process per (config, N)
-    if llama is not None:
-        for config, spec in (("llama-server plain", False), ("llama-server spec", True)):
+    def llama_row(config: str, n: int, rnd: int) -> None:
+        port = free_port()
+        cmd = llama.command(a, config == "llama-server spec", n, port)
+        srv = Server(f"llama-server ({config.split()[1]}, -np {n})", cmd)
+        servers.append(srv)
+        commands[f"{config}, -np {n}"] = shlex.join(cmd)
+        srv.wait_health(f"http://127.0.0.1:{port}", a.startup_timeout)
+        warm_up(a, config, srv.url, prompts)
+        log(f"{config}, {n} client(s)" + (f", round {rnd}" if a.repeat > 1 else ""))
+        measured(dict(run_config(a, config, srv.url, n, prompts, stop), round=rnd))
+        srv.stop()
+
+    # --parallel match: one fresh process per (config, N), mars with --parallel N as llama-server
+    # gets -np N (a process that ran the other config would hold these prompts in its prefix
+    # caches); the four configurations of one N back to back, round after round
+    if a.parallel == "match":
+        for rnd in range(1, a.repeat + 1):
             for n in a.clients_list:
-                port = free_port()
-                cmd = llama.command(a, spec, n, port)
-                srv = Server(f"llama-server ({config.split()[1]}, -np {n})", cmd)
-                servers.append(srv)
-                commands[f"{config}, -np {n}"] = shlex.join(cmd)
-                srv.wait_health(f"http://127.0.0.1:{port}", a.startup_timeout)
-                warm_up(a, config, srv.url, prompts)
-                log(f"{config}, {n} client(s)")
-                measured(run_config(a, config, srv.url, n, prompts, stop))
-                srv.stop()
+                for config in ("mars spec", "mars plain"):
+                    mars_row(config, n, [n], rnd)
+                if llama is not None:
+                    for config in ("llama-server plain", "llama-server spec"):
+                        llama_row(config, n, rnd)
+    else:  # --parallel P: one mars process per config for every N
+        for config in ("mars spec", "mars plain"):
+            mars_row(config, int(a.parallel), a.clients_list, 1)
+        if llama is not None:
+            for config in ("llama-server plain", "llama-server spec"):
+                for n in a.clients_list:
+                    llama_row(config, n, 1)
+    if llama is not None:
         notes.append("llama-server runs with -np N = the number of clients (N slots decoded together: its normal "
                      "way of serving concurrent clients) and -c = N x this -c (it splits -c among its slots; "
                      "mars serve gives each sequence -c)")
         froms = sorted({r["tokens_from"] for r in rows if r["config"].startswith("llama-server")})
         notes.append(f"llama-server completion tokens from: {', '.join(froms)}")
     order = {c: i for i, c in enumerate(CONFIGS)}
-    rows.sort(key=lambda r: (r["clients"], order[r["config"]]))
-    return {"rows": rows, "notes": notes, "servers": commands}
+    rows.sort(key=lambda r: (r["round"], r["clients"], order[r["config"]]))
+    return {"rows": rows, "notes": notes, "servers": commands, "summary": summarize(rows)}
+
+
+def _ratio(num: dict, den: dict, key: str = "tokens_per_s") -> float | None:
+    return num[key] / den[key] if num and den and num.get(key) and den.get(key) else None
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per N, over the rounds: each configuration's median tokens/s, and the ratios taken within
+    each round (mars best / llama-server best, plain / plain, mars spec / mars plain, TTFT)
+    as median, min and max."""
+    out = []
+    for n in sorted({r["clients"] for r in rows}):
+        by_round = collections.defaultdict(dict)
+        for r in rows:
+            if r["clients"] == n:
+                by_round[r["round"]][r["config"]] = r
+        ratios = collections.defaultdict(list)
+        for got in by_round.values():
+            mars = [got[c] for c in ("mars spec", "mars plain") if c in got]
+            peer = [got[c] for c in ("llama-server plain", "llama-server spec") if c in got]
+            best = lambda rs: max(rs, key=lambda r: r["tokens_per_s"]) if rs else None  # noqa: E731
+            fastest = lambda rs: min((r for r in rs if r["ttft_mean_ms"]), key=lambda r: r["ttft_mean_ms"],  # noqa: E731
+                                     default=None)
+            for name, v in (("best_vs_llama_best", _ratio(best(mars), best(peer))),
+                            ("plain_vs_llama_plain", _ratio(got.get("mars plain"), got.get("llama-server plain"))),
+                            ("spec_vs_plain", _ratio(got.get("mars spec"), got.get("mars plain"))),
+                            ("ttft_vs_llama", _ratio(fastest(mars), fastest(peer), "ttft_mean_ms"))):
+                if v is not None:
+                    ratios[name].append(v)
+        entry = {"clients": n, "rounds": len(by_round), "tokens_per_s": {}}
+        for c in CONFIGS:
+            vals = [got[c]["tokens_per_s"] for got in by_round.values() if c in got]
+            if vals:
+                entry["tokens_per_s"][c] = statistics.median(vals)
+        for name, vals in ratios.items():
+            entry[name] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+        out.append(entry)
+    return out
+
+
+def summary_table(summary: list[dict]) -> str:
+    def cell(e: dict, name: str) -> str:
+        v = e.get(name)
+        if v is None:
+            return "—"
+        return f"{v['median']:.2f}× ({v['min']:.2f}–{v['max']:.2f})" if v["min"] != v["max"] else f"{v['median']:.2f}×"
+
+    out = ["| N | rounds | " + " | ".join(f"{c} tok/s" for c in CONFIGS) + " | mars best / llama best | "
+           "mars plain / llama plain | mars spec / mars plain | TTFT mars / llama |",
+           "|---:|---:|" + "---:|" * len(CONFIGS) + "---:|---:|---:|---:|"]
+    for e in summary:
+        tps = " | ".join(fmt(e["tokens_per_s"].get(c), ".1f") for c in CONFIGS)
+        out.append(f"| {e['clients']} | {e['rounds']} | {tps} | {cell(e, 'best_vs_llama_best')} | "
+                   f"{cell(e, 'plain_vs_llama_plain')} | {cell(e, 'spec_vs_plain')} | {cell(e, 'ttft_vs_llama')} |")
+    return "\n".join(out)
 
 
 def write_json(a: argparse.Namespace, command: str, result: dict) -> bool:
@@ -563,7 +647,8 @@ def main(argv: list[str] | None = None) -> int:
         if rows:
             print(table(rows))
             if a.json:
-                write_json(a, command, {"rows": rows, "notes": ["interrupted: a partial sweep"], "servers": {}})
+                write_json(a, command, {"rows": rows, "notes": ["interrupted: a partial sweep"], "servers": {},
+                                        "summary": summarize(rows)})
         return 130
     finally:
         stop.set()
@@ -572,6 +657,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = result["rows"]
     print(table(rows))
     print()
+    if a.repeat > 1:
+        print(f"medians over {a.repeat} rounds (ratios taken within each round: median (min–max)):")
+        print(summary_table(result["summary"]))
+        print()
     print(f"command: {command}")
     for name, cmd in result["servers"].items():
         print(f"{name}: {cmd}")
