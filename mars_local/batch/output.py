@@ -9,6 +9,7 @@ import os
 import signal
 import stat
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -262,16 +263,27 @@ class OutputLock:
 
 @contextlib.contextmanager
 def _ctrl_c_deferred():
-    """Ctrl-C (SIGINT) waits until the block has run, so a record is written whole."""
-    mask = getattr(signal, "pthread_sigmask", None)
-    if mask is None:  # Windows; a torn line is cut on the next run anyway
-        yield
+    """Ctrl-C (SIGINT) waits until the block has run, so a record is written whole and counted.
+
+    Python runs its signal handlers in the main thread whichever thread the signal reached, so
+    masking SIGINT in this thread (pthread_sigmask) does not hold it off while llama.cpp's
+    threads, which do not mask it, are there to take it: the KeyboardInterrupt could land between
+    a line's write and its count.  So the block runs under a handler that only notes the signal,
+    and the interrupt is raised after it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (handlers can be set from the main thread only; it is the one that writes)
         return
-    old = mask(signal.SIG_BLOCK, {signal.SIGINT})
+    caught: list[int] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        mask(signal.SIG_SETMASK, old)  # a Ctrl-C meanwhile is raised now, between records
+        signal.signal(signal.SIGINT, old)
+        if caught:  # what the handler in place would have done, now, between records
+            if callable(old):
+                old(signal.SIGINT, None)
+            elif old == signal.SIG_DFL:
+                raise KeyboardInterrupt
 
 
 class RecordWriter:

@@ -625,3 +625,31 @@ def test_parallel_batch_writes_what_the_one_at_a_time_loop_writes(tiny_target, t
         assert sorted(x["id"] for x in rows) == sorted(x["id"] for x in recs)
         texts[p] = {x["id"]: x["text"] for x in rows}
     assert texts["4"] == texts["1"]
+
+
+def test_ctrl_c_during_a_record_lands_after_it_even_with_threads_that_take_it():
+    """A record's write is never cut by Ctrl-C, nor its count: with other threads alive (as
+    llama.cpp's are), a SIGINT masked in the writing thread reached one of them and Python raised
+    KeyboardInterrupt in the middle of the block anyway (a line written but not counted)."""
+    import threading
+
+    from mars_local.batch.output import _ctrl_c_deferred
+
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)  # started before the block: SIGINT not masked in it
+    other.start()
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _ctrl_c_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                for _ in range(2000):  # bytecodes where an interrupt could land
+                    time.sleep(0)
+                done.append("counted")
+        assert done == ["counted"]
+        with _ctrl_c_deferred():  # no signal: nothing raised, the handler restored
+            done.append("again")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        stop.set()
+        other.join()
