@@ -563,6 +563,16 @@ def _ratio(num: dict, den: dict, key: str = "tokens_per_s") -> float | None:
     return num[key] / den[key] if num and den and num.get(key) and den.get(key) else None
 
 
+def _best(rows: list[dict]) -> dict | None:
+    """The row of most tokens/s."""
+    return max(rows, key=lambda r: r["tokens_per_s"], default=None)
+
+
+def _fastest(rows: list[dict]) -> dict | None:
+    """The row of the lowest mean TTFT."""
+    return min((r for r in rows if r["ttft_mean_ms"]), key=lambda r: r["ttft_mean_ms"], default=None)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
     """Per N, over the rounds: each configuration's median tokens/s, and the ratios taken within
     each round (mars best / llama-server best, plain / plain, mars spec / mars plain, TTFT)
@@ -577,13 +587,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         for got in by_round.values():
             mars = [got[c] for c in ("mars spec", "mars plain") if c in got]
             peer = [got[c] for c in ("llama-server plain", "llama-server spec") if c in got]
-            best = lambda rs: max(rs, key=lambda r: r["tokens_per_s"]) if rs else None  # noqa: E731
-            fastest = lambda rs: min((r for r in rs if r["ttft_mean_ms"]), key=lambda r: r["ttft_mean_ms"],  # noqa: E731
-                                     default=None)
-            for name, v in (("best_vs_llama_best", _ratio(best(mars), best(peer))),
+            for name, v in (("best_vs_llama_best", _ratio(_best(mars), _best(peer))),
                             ("plain_vs_llama_plain", _ratio(got.get("mars plain"), got.get("llama-server plain"))),
                             ("spec_vs_plain", _ratio(got.get("mars spec"), got.get("mars plain"))),
-                            ("ttft_vs_llama", _ratio(fastest(mars), fastest(peer), "ttft_mean_ms"))):
+                            ("ttft_vs_llama", _ratio(_fastest(mars), _fastest(peer), "ttft_mean_ms"))):
                 if v is not None:
                     ratios[name].append(v)
         entry = {"clients": n, "rounds": len(by_round), "tokens_per_s": {}}

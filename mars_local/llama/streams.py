@@ -209,7 +209,7 @@ class MultiContext(OwnsContext):
                     else:
                         C.llama_memory_seq_rm(self.mem, s, self._cell(len(view.tokens)), -1)
                 if rc == 1:
-                    raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+                    raise self._context_full()
                 raise RuntimeError(f"llama_decode failed with code {rc}")
         self._decoded(layout, i)
         for s, toks, _ in parts:
@@ -218,6 +218,9 @@ class MultiContext(OwnsContext):
             if view._rollback is not None:
                 view._rollback.after_decode(self._ctx, s, len(toks), len(view.tokens))
         return got
+
+    def _context_full(self) -> MarsError:
+        return MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
 
     def _cell(self, p: int) -> int:
         """The llama position of sequence position ``p`` (where a rollback to ``p`` cuts)."""
@@ -273,7 +276,7 @@ class MultiContext(OwnsContext):
             if not 1 <= n <= max_rows:
                 raise ValueError(f"a window must have 1..{max_rows} rows, got {n}")
             if len(self.seqs[s].tokens) + n > self.n_ctx:
-                raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+                raise self._context_full()
             if rows + n > max_rows:
                 flush()
             group.append(j)
@@ -292,7 +295,7 @@ class MultiContext(OwnsContext):
             raise ValueError("extend packs sequences into shared decodes: a unified cache only")
         for s, toks in parts:
             if len(self.seqs[s].tokens) + len(toks) > self.n_ctx:
-                raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+                raise self._context_full()
         batch, room = [], self.n_batch
         for s, toks in parts:
             toks, i = list(toks), 0
@@ -359,7 +362,7 @@ class SeqView:
         if not tokens:
             return None
         if len(self.tokens) + len(tokens) > self.n_ctx:
-            raise MarsError(f"the context is full ({self.n_ctx} tokens per sequence); use a larger -c")
+            raise self.owner._context_full()
         nb, i = self.n_batch, 0
         while len(tokens) - i > nb:
             self.owner._decode([(self.seq_id, tokens[i:i + nb], 0)])

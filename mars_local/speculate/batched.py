@@ -363,13 +363,9 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         missed = [len(s.run.tokens) - 1 - s.dview.n_past for s in lag]
-        packed = self.dmc.unified
-        if packed:
-            try:
-                self.dmc.extend([(s.dview.seq_id, s.run.tokens[s.dview.n_past:-1]) for s in lag])
-            except Exception:  # noqa: BLE001 - then each sequence alone, a failure ending it only
-                packed = False
-        if not packed:  # (per-sequence streams, e.g. an MTP layer's: one sequence per decode)
+        try:  # (every draft context is a unified cache: a draft model's, an MTP layer's, an EAGLE-3 head's)
+            self.dmc.extend([(s.dview.seq_id, s.run.tokens[s.dview.n_past:-1]) for s in lag])
+        except Exception:  # noqa: BLE001 - then each sequence alone, a failure ending it only
             for s in lag:
                 self._guard(s, lambda: s.dview.eval(s.run.tokens[s.dview.n_past:-1], n_out=0))
         dt = time.perf_counter() - t0
