@@ -279,6 +279,7 @@ class _Server:
                 elif chunk.text or chunk.logprobs:
                     maker.add_pieces(pieces)
                     yield {"data": json.dumps(maker.piece_chunk(chunk.text, chunk.logprobs))}
+                job.sent()  # (the generator resumes once the chunk is written)
             yield {"data": "[DONE]"}
         finally:
             job.cancel()  # no-op when it had finished

@@ -97,11 +97,13 @@ class BatchWorker(Worker):
         self.running = job  # the latest started (health: something runs)
 
     def _deliver(self) -> None:
+        firsts = []  # jobs whose first chunk goes out now: written before the next round starts
         for job, stream in list(self.active.items()):
             try:
                 for chunk in stream.take():
                     if job.t_first is None and (chunk.tokens or chunk.text):
                         job.t_first = time.monotonic()
+                        firsts.append(job)
                     job.emit("chunk", (chunk, self._pieces(chunk)))
             except MarsError as exc:
                 self._finish(job, "error", ("error", ApiError(500, str(exc), type="server_error")))
@@ -117,6 +119,7 @@ class BatchWorker(Worker):
                 self._finish(job, "cancelled", final)
             elif stream.finished:
                 self._finish(job, "ok", ("done", stream.stats))
+        Job.wait_sent(firsts)
 
     def _finish(self, job: Job, outcome: str, final) -> None:
         stream = self.active.pop(job, None)
