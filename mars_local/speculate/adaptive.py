@@ -158,6 +158,12 @@ class AdaptiveK:
         costs = self.target_costs(w)
         return None if costs is None else costs[w - 1]
 
+    def measured(self, n: int = 20) -> bool:
+        """Whether acceptance (``n`` draft tokens at least, decayed) and the draft's cost are
+        learned rather than priors."""
+        acc, rej = self._counts.get(POOL, (0.0, 0.0))
+        return acc + rej >= n and self._draft[1] > 0
+
     @property
     def draft_cost(self) -> float:
         t, n = self._draft

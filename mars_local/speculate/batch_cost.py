@@ -11,7 +11,7 @@ import numpy as np
 from ..core.defaults import SETTINGS
 from .adaptive import AdaptiveK, expected_tokens
 
-__all__ = ["choose_window", "BatchCost", "DraftOrNot", "auto_parallel", "MAX_ROWS"]
+__all__ = ["choose_window", "plan_drafting", "BatchCost", "DraftOrNot", "auto_parallel", "MAX_ROWS"]
 
 MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (llama.streams.MAX_INVARIANT_ROWS)
 
@@ -42,6 +42,40 @@ def choose_window(accepts: Sequence[Sequence[float]], costs: Sequence[float], k_
     return best_k
 
 
+def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], per_token: float, k_room: int,
+                  lags: Sequence[int] = (), remaining: Sequence[int] = (), row_s: float = 0.0
+                  ) -> tuple[int, int, float]:
+    """A draft model's round, planned before it drafts (pure): ``(k, k_draft, switch_s)``.
+
+    ``accepts[i]``: sequence i's estimated acceptance per draft position (k_room of them);
+    ``costs[R - 1]``: seconds of a forward of R rows; ``per_token``: seconds per draft token
+    (a draft decode per step, ``n * k`` tokens a round).  What a switch to drafting costs on top:
+    sequence i's draft cache lags ``lags[i]`` tokens behind (its prompt, or the rounds it did not
+    draft), caught up at ``row_s`` seconds per token before it can draft, a price paid once and
+    spread over the rounds it has left (``remaining[i]`` tokens at most, at the expected tokens
+    of a round), so a sequence near its end does not pay for a catch-up it cannot earn back.
+
+    ``k``: the k of the best rate, 0 = plain rounds; ``k_draft``: the best k >= 1 (what a round
+    that drafts uses); ``switch_s``: the catch-up per round at ``k_draft``.
+    """
+    n = len(accepts)
+    lags = list(lags) or [0] * n
+    remaining = list(remaining) or [1 << 30] * n
+    best_k, best, best_draft = 0, -1.0, (1, -1.0, 0.0)
+    for k in range(0, k_room + 1):
+        rows = n * (k + 1)
+        if rows > len(costs):
+            break
+        per_seq = [expected_tokens(list(a[:k]), k) if k else 1.0 for a in accepts]
+        switch = sum(lag * row_s / max(1.0, left / e) for lag, left, e in zip(lags, remaining, per_seq) if lag) if k else 0.0
+        rate = sum(per_seq) / (costs[rows - 1] + per_token * n * k + switch)
+        if rate > best * 1.0001:
+            best_k, best = k, rate
+        if k and rate > best_draft[1] * 1.0001:
+            best_draft = (k, rate, switch)
+    return best_k, best_draft[0], best_draft[2]
+
+
 @dataclass
 class BatchCost:
     """Seconds of a target forward of R rows, R = 1..max_rows: decayed means of the
@@ -69,7 +103,12 @@ class BatchCost:
 
     def draft_cost(self, prior: float = 0.0) -> float:
         t, n = self._draft
-        return t / n if n > 0.5 else prior
+        return t / n if self.draft_measured else prior
+
+    @property
+    def draft_measured(self) -> bool:
+        """Whether drafts were timed here (not a prior learned elsewhere)."""
+        return self._draft[1] > 0.5
 
     def costs(self, prior: AdaptiveK | None = None) -> list[float]:
         """Seconds of a forward of R = 1..max_rows rows.  With ``prior`` (a controller that timed
@@ -126,26 +165,34 @@ class DraftOrNot:
       both say plain a trial would only pay a catch-up again;
     * the trials' gap starts again at ``explore`` when the plan changes its mind (the load or
       the acceptance changed), not when the rates cross near the break-even, where noise would
-      bring a trial, and its catch-up, every ``explore`` rounds.
+      bring a trial, and its catch-up, every ``explore`` rounds;
+    * what a switch to drafting would cost now (``switch_s``: the catch-up spread over the
+      rounds the sequences have left, :func:`plan_drafting`) is added to the drafting rounds'
+      time before the rates are compared, and a plan made from measurements (``measured``:
+      acceptance and draft cost learned, forward costs timed) is trusted: drafting it says
+      does not pay is not tried even once.
     """
 
     def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03, enter: float = 1.10):
         self.decay, self.explore, self.margin, self.enter = decay, explore, margin, enter
-        self._rate = {True: [0.0, 0.0, 0], False: [0.0, 0.0, 0]}  # tokens, seconds, rounds
+        self._rate = {True: [0.0, 0.0, 0, 0.0], False: [0.0, 0.0, 0, 0.0]}  # tokens, seconds, rounds, decayed rounds
         self._since = {True: 0, False: 0}
         self._gap, self._planned, self._mode = explore, None, None
 
     def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
         r = self._rate[drafted]
         r[0], r[1], r[2] = r[0] * self.decay + tokens, r[1] * self.decay + seconds, r[2] + 1
+        r[3] = r[3] * self.decay + 1.0
 
-    def rate(self, drafted: bool) -> float | None:
-        t, sec, n = self._rate[drafted]
-        return t / sec if n >= 2 and sec > 0 else None
+    def rate(self, drafted: bool, extra_s: float = 0.0) -> float | None:
+        """Tokens per second of the rounds that drafted (or not); ``extra_s``: seconds added to each."""
+        t, sec, n, dn = self._rate[drafted]
+        return t / (sec + extra_s * dn) if n >= 2 and sec > 0 else None
 
-    def choose(self, planned: bool) -> bool:
-        """Draft this round?  ``planned``: what the cost model says."""
-        rd, rp = self.rate(True), self.rate(False)
+    def choose(self, planned: bool, switch_s: float = 0.0, measured: bool = False) -> bool:
+        """Draft this round?  ``planned``: what the cost model says (``measured``: from measured
+        inputs only); ``switch_s``: seconds per drafting round a switch to drafting costs now."""
+        rd, rp = self.rate(True, switch_s), self.rate(False)
         if planned != self._planned:  # the plan changed its mind: try the other again soon
             self._planned, self._gap = planned, self.explore
         if rd is None or rp is None:
@@ -157,7 +204,7 @@ class DraftOrNot:
         else:  # near the break-even: no switch
             pick = planned if self._mode is None else self._mode
         self._mode = pick
-        hopeless = not pick and not planned and rd is not None  # a trial of drafting nobody expects to win
+        hopeless = not pick and not planned and (rd is not None or measured)  # a trial nobody expects to win
         if self._since[not pick] >= self._gap and not hopeless:
             pick = not pick  # a trial (the mode stays)
             self._gap = min(2 * self._gap, 512)

@@ -54,7 +54,7 @@ from ..llama.mtp import open_mtp
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, exact_reuse
 from .adaptive import expected_tokens
 from . import native
-from .batch_cost import BatchCost, DraftOrNot, choose_window
+from .batch_cost import BatchCost, DraftOrNot, choose_window, plan_drafting
 from .batch_stream import BatchStream, _Seq
 from .lockstep import draft_lockstep
 from .controls import Controls, StopScanner
@@ -104,6 +104,8 @@ class Scheduler:
         bandwidth = 1e11 if engine.target.offloaded else 4e9
         self._copy_s = kv_cache_bytes(engine.target, self.mc.n_ctx) / bandwidth
         self._prefill_rate = [0.0, 0.0]  # decayed prefill seconds, tokens
+        self._catch = [0.0, 0.0]  # a draft model's catch-ups: decayed seconds, tokens
+        self._draft_timed = False  # _calibrate_draft ran
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -281,6 +283,33 @@ class Scheduler:
         s.view.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
         self.calibrated = True
 
+    def _calibrate_draft(self, seqs: list[_Seq]) -> None:
+        """Time a draft model's decodes once, as part of the catch-up they are: a draft step (one
+        row of every lagging sequence: its next missed token, logits out) and a catch-up of up to
+        32 of one sequence's missed tokens.  The plan then knows what drafting and switching to
+        it cost here, and a trial of drafting at a load where the plan says it cannot pay (whose
+        catch-up of every live prompt costs seconds at 8 sequences) is not needed to find out."""
+        self._draft_timed = True
+        lag = [s for s in seqs if self._lag(s) > 2]
+        if not lag:
+            return
+        clock = time.perf_counter
+        try:
+            for _ in range(2):  # the first decode of a new shape builds its graph: the second is timed
+                t0 = clock()
+                self.dmc.decode_windows([(s.dview.seq_id, [s.run.tokens[s.dview.n_past]]) for s in lag],
+                                        max_rows=self.dmc.n_batch, last_only=True)
+                dt = clock() - t0
+            self.cost.observe_draft(len(lag), dt)
+            s = max(lag, key=self._lag)
+            n = min(32, self._lag(s))
+            t0 = clock()
+            self.dmc.extend([(s.dview.seq_id, s.run.tokens[s.dview.n_past:s.dview.n_past + n])])
+            c = self._catch
+            c[0], c[1] = c[0] + clock() - t0, c[1] + n
+        except Exception:  # noqa: BLE001 - then the plan keeps its priors (a trial will measure)
+            pass
+
     def _round(self, seqs: list[_Seq]) -> None:
         clock = time.perf_counter
         caps = [(s, self._draft_cap(s)) for s in seqs]
@@ -296,8 +325,10 @@ class Scheduler:
         costly = [s for s in seqs if not s.run.drafter.cheap and s.run.ctrl is not None]
         drafting = None
         if costly and k_room > 0:  # plan before a draft model drafts: pooled acceptance, draft cost per token
-            k_plan, k_draft = self._plan_costly(seqs, caps, k_room)
-            drafting = self.mode.choose(k_plan > 0)
+            if not self.cost.draft_measured and self.eng.drafter_kind == "model" and not self._draft_timed:
+                self._calibrate_draft(seqs)
+            k_plan, k_draft, switch_s, measured = self._plan_costly(seqs, k_room)
+            drafting = self.mode.choose(k_plan > 0, switch_s, measured)
             k_room = min(k_room, k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
         if k_room > 0:
@@ -326,28 +357,32 @@ class Scheduler:
         if drafting is not None:
             self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before, clock() - t0)
 
-    def _plan_costly(self, seqs: list[_Seq], caps, k_room: int) -> tuple[int, int]:
-        """The round's k before a draft model drafts, every sequence at its pooled acceptance:
-        the best k, and the best k >= 1 (what a drafting round uses)."""
-        accepts = [[s.run.ctrl.acceptance(None)] * k_room if s.run.ctrl is not None else [1.0] * k_room
-                   for s in seqs]
-        prior = next(s.run.ctrl for s in seqs if s.run.ctrl is not None)
-        costs = self.cost.costs(prior)
+    def _plan_costly(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
+        """The round's k before a draft model drafts, every sequence at its pooled acceptance
+        (:func:`plan_drafting`): the best k, the best k >= 1 (what a drafting round uses), what
+        catching the draft caches up costs per round at that k, and whether every input of the
+        plan was measured here (the draft's cost, forward costs; acceptance learned anywhere)
+        rather than a prior: a draft cost learned in other runs can be far off (a busy
+        machine, another load) and, trusted, would keep the scheduler from ever measuring it."""
+        ctrls = [s.run.ctrl for s in seqs]
+        prior = next(c for c in ctrls if c is not None)
+        accepts = [[c.acceptance(None)] * k_room if c is not None else [1.0] * k_room for c in ctrls]
         per_token = self.cost.draft_cost(prior.draft_cost)  # per draft token (draft decodes are per sequence)
-        costs = list(costs)
-        best_k, best, best_draft = 0, -1.0, (1, -1.0)
-        n = len(seqs)
-        for k in range(0, k_room + 1):
-            rows = n * (k + 1)
-            if rows > len(costs):
-                break
-            tokens = sum(expected_tokens(a[:k], k) if k else 1.0 for a in accepts)
-            rate = tokens / (costs[rows - 1] + per_token * n * k)
-            if rate > best * 1.0001:
-                best_k, best = k, rate
-            if k and rate > best_draft[1] * 1.0001:
-                best_draft = (k, rate)
-        return best_k, best_draft[0]
+        t, rows = self._catch
+        row_s = t / rows if rows > 0 else per_token / 4  # (a prefill row: a fraction of a decode's)
+        lags = [self._lag(s) for s in seqs]
+        remaining = [s.run.cfg.max_tokens - s.run.generated if not s.run.cfg.unlimited
+                     else s.view.n_ctx - len(s.run.tokens) for s in seqs]
+        k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior), per_token, k_room, lags, remaining, row_s)
+        return k, k_draft, switch_s, self.cost.draft_measured and prior.measured() and self.calibrated
+
+    def _lag(self, s: _Seq) -> int:
+        """Tokens a draft model's cache must catch up on before the sequence drafts (0: none
+        beyond what a drafting round's first evaluation carries)."""
+        if s.dview is None or s.run.drafter.cheap:
+            return 0
+        lag = len(s.run.tokens) - 1 - s.dview.n_past
+        return lag if lag > 2 else 0
 
     def _draft_prompts(self, seqs: list[_Seq]) -> None:
         """A draft model's cache that lags by more than a drafting round leaves (its prompt: the
@@ -357,8 +392,7 @@ class Scheduler:
         of switching, paid once).  Every lagging sequence catches up in the same decodes (a
         unified draft cache), so a switch costs one prefill of the rows missed, not one per
         sequence."""
-        lag = [s for s in seqs if s.dview is not None and not s.run.drafter.cheap
-               and len(s.run.tokens) - 1 - s.dview.n_past > 2]
+        lag = [s for s in seqs if self._lag(s)]
         if not lag:
             return
         t0 = time.perf_counter()
@@ -369,6 +403,8 @@ class Scheduler:
             for s in lag:
                 self._guard(s, lambda: s.dview.eval(s.run.tokens[s.dview.n_past:-1], n_out=0))
         dt = time.perf_counter() - t0
+        c = self._catch
+        c[0], c[1] = 0.9 * c[0] + dt, 0.9 * c[1] + sum(missed)
         for s, n in zip(lag, missed):
             if not s.run.generated:  # the draft's prompt: a share of the prefill, by rows
                 s.run.stats.time_prompt_s += dt * n / sum(missed)

@@ -13,7 +13,8 @@ from mars_local.llama.context import MAX_INVARIANT_ROWS, Context, last_rides
 from mars_local.core.errors import MarsError
 from mars_local.llama.runtime import Model
 from mars_local.llama.streams import MultiContext, exact_reuse
-from mars_local.speculate.batch_cost import BatchCost, choose_window
+from mars_local.speculate.adaptive import POOL
+from mars_local.speculate.batch_cost import BatchCost, DraftOrNot, choose_window, plan_drafting
 from mars_local.speculate.batched import Scheduler
 
 PROMPTS = [f"item {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 4) + "and" * (i % 3)
@@ -65,7 +66,7 @@ def test_a_round_chosen_to_draft_verifies_a_draft_even_where_the_cost_model_says
     try:
         sched.calibrated = True
         sched.cost.costs = lambda prior=None: [1.0 + 2.0 * (r - 1) for r in range(1, 65)]  # rows dear: plan k = 0
-        sched.mode.choose = lambda planned: True  # every round a trial of drafting
+        sched.mode.choose = lambda planned, *_: True  # every round a trial of drafting
         ks = []
         step = sched.step
 
@@ -305,9 +306,9 @@ def test_a_draft_model_catches_up_on_every_sequence_in_one_decode(engines):
     eng = engines["model"]
     sched = Scheduler(eng, 4)
     try:
-        sched.calibrated = True
+        sched.calibrated = sched._draft_timed = True
         rounds = [0]
-        sched.mode.choose = lambda planned: rounds[0] >= 6  # plain rounds, then a switch to drafting
+        sched.mode.choose = lambda planned, *_: rounds[0] >= 6  # plain rounds, then a switch to drafting
         catch_ups = []
         extend = sched.dmc.extend
 
@@ -342,6 +343,9 @@ def test_strict_greedy_of_every_sequence_equals_plain_greedy_alone(engines, kind
     lengths = [12 + 7 * i for i in range(n_prompts)]  # different lengths: sequences leave at different rounds
     want = [plain(eng, p, n) for p, n in zip(PROMPTS, lengths)]
     with_spec = Scheduler(eng, n_parallel)
+    # every round drafts (the tiny draft's acceptance would have the plan decode plainly): exactness
+    # is what is tested here, of rounds that verify drafts
+    with_spec.mode.choose = lambda planned, *_: True
     try:
         streams = [with_spec.submit(p, max_tokens=n, temperature=0, verify="strict", ignore_eos=True)
                    for p, n in zip(PROMPTS, lengths)]
@@ -483,3 +487,98 @@ def test_reused_prefixes_long_and_short_stay_exact_on_smollm2(smollm2, smollm2_q
             sch.close()
     assert got == want
     assert any(s.stats.n_prompt_evaluated < s.stats.n_prompt - 3 for s in streams[2:])
+
+
+# ------------------------------------------------- what a switch to drafting costs
+CPU_ROWS = [0.09 * (1.0 + 0.25 * (r - 1)) for r in range(1, 65)]  # a row costs a quarter of one more
+
+
+@pytest.mark.parametrize("n, lags, remaining, drafts", [
+    (2, [0, 0], [40, 40], True),          # caught up: drafting pays at 2 sequences
+    (2, [60, 60], [400, 400], True),      # a prompt to catch up on, spread over many rounds: still pays
+    (2, [60, 60], [6, 6], False),         # the same catch-up, 6 tokens left: it cannot be earned back
+    (2, [10, 0], [6, 40], True),          # a short catch-up of a sequence near its end: still pays
+])
+def test_a_plan_spreads_the_catch_up_over_the_rounds_left(n, lags, remaining, drafts):
+    k, k_draft, switch = plan_drafting([[0.85] * 8] * n, CPU_ROWS, 0.005, 8, lags, remaining, 0.004)
+    assert (k > 0) is drafts and k_draft >= 1
+    assert (switch > 0) is any(lags)
+
+
+def test_a_switch_cost_takes_away_a_rate_lead_that_a_catch_up_would_eat():
+    def measured(switch_s):
+        m = DraftOrNot(explore=1000)
+        for _ in range(4):
+            m.observe(True, 12, 1.0)   # drafting rounds: 12 tok/s (measured while caught up)
+            m.observe(False, 10, 1.0)  # plain rounds: 10 tok/s
+        m._mode = False  # decoding plainly now: the draft caches lag
+        return m.choose(True, switch_s)
+    assert measured(0.0) is True           # 1.2x: worth the switch
+    assert measured(0.5) is False          # a catch-up of half a round's time per round: 0.8x
+
+
+def test_a_plan_made_from_measurements_is_not_tried_against():
+    """A plan from measured inputs that says drafting does not pay is trusted: no trial of
+    drafting (its catch-up of every live prompt is the cost); a plan from priors is tried once."""
+    for measured, want in ((True, [False] * 40), (False, [False] * 4 + [True])):
+        m = DraftOrNot(explore=4)
+        got = []
+        for _ in range(len(want)):
+            got.append(m.choose(False, 0.0, measured))
+            m.observe(got[-1], 4, 1.0)
+        assert got == want
+
+
+def test_the_draft_model_is_timed_once_as_part_of_its_catch_up(engines):
+    """The scheduler times a draft step and a catch-up on its first round (the plan's draft
+    costs measured here, not learned elsewhere): the decodes evaluate real missed tokens (the
+    draft caches advance), nothing is rolled back, and strict output stays exact."""
+    eng = engines["model"]
+    want = [plain(eng, p, 12) for p in PROMPTS[:3]]
+    sched = Scheduler(eng, 3)
+    try:
+        sched.calibrated = True
+        seen = []
+        cal = sched._calibrate_draft
+
+        def spy(seqs):
+            before = [s.dview.n_past for s in seqs]
+            cal(seqs)
+            seen.append((before, [s.dview.n_past for s in seqs], [list(s.dview.tokens) for s in seqs],
+                         [s.run.tokens for s in seqs]))
+
+        sched._calibrate_draft = spy
+        outs = sched.generate_many(PROMPTS[:3], max_tokens=12, temperature=0, ignore_eos=True, verify="strict")
+        assert len(seen) == 1  # once per scheduler
+        before, after, cached, tokens = seen[0]
+        assert sum(after) - sum(before) >= 2 * 3 + 1  # two draft steps of every sequence, and a catch-up
+        for c, t in zip(cached, tokens):
+            assert c == t[:len(c)] and len(c) < len(t)  # real tokens: a prefix of tokens[:-1]
+        assert sched.cost.draft_measured and sched._catch[1] > 0
+    finally:
+        sched.close()
+    assert [o.tokens for o in outs] == want
+
+
+def test_where_measured_acceptance_says_drafting_cannot_pay_no_round_drafts(engines):
+    """Acceptance learned (poor), the draft's cost and the forwards timed: the plan says plain at
+    every round and no trial of drafting (nor its catch-up) is made; before, one came after
+    16 plain rounds."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 3)
+    try:
+        extends = []
+        sched.dmc.extend = (lambda f: lambda parts: (extends.append(len(parts)), f(parts)))(sched.dmc.extend)
+        streams = [sched.submit(p, max_tokens=40, temperature=0, ignore_eos=True, verify="strict") for p in PROMPTS[:3]]
+        for s in streams:
+            ctrl = s._seq.run.ctrl
+            ctrl._counts[POOL] = [3.0, 37.0]  # 7.5 % of 40 draft tokens accepted, learned
+            ctrl._draft[:] = [0.01, 1.0]
+        while any(not s._seq.done for s in streams):
+            sched.step()
+        outs = [s.result() for s in streams]
+    finally:
+        sched.close()
+    assert sched.rounds > 30
+    assert sum(o.stats.n_drafted for o in outs) == 0
+    assert extends == [1]  # the calibration's catch-up only
