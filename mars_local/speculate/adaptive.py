@@ -95,6 +95,7 @@ class AdaptiveK:
     _time: dict = field(default_factory=dict)  # w -> [decayed sum of seconds, decayed count]
     _warm: set = field(default_factory=set)  # window sizes seen at least once (first one not timed)
     _draft: list = field(default_factory=lambda: [0.0, 0.0])  # [decayed draft seconds, decayed drafted tokens]
+    _draft_at: int = 0  # _round when drafts were last timed
     _budget: float = 0.0  # seconds the next probe may cost beyond plain decoding
     _primed: bool = False
     _rate: float = 0.0  # expected tokens/s of the last plan (R in extend/trim)
@@ -215,8 +216,12 @@ class AdaptiveK:
         # budget covers what it is expected to lose against plain decoding.
         if keys is not None and self._time.get(k + 1, (0.0, 0.0))[1] >= 0.9:
             return 0  # a cheap drafter's acceptance is seen for free, and this window's cost is known
-        # its expected time minus what plain decoding needs for its expected tokens
-        loss = costs[k] - tokens[k] / plain
+        # its expected time minus what plain decoding needs for its expected tokens; a draft token
+        # counted at one plain forward at most: a draft cost learned in a busy spell (or a run on
+        # a loaded machine) makes every probe look dearer than the budget ever holds, and the
+        # draft's cost would never be measured again (learned at 340 ms a token for a draft of 15)
+        c = 0.0 if keys is not None else self.draft_cost
+        loss = costs[k] - k * max(0.0, c - costs[0]) - tokens[k] / plain
         if self._budget >= loss:
             self._budget -= max(loss, 0.0)
             self.n_probes += 1
@@ -315,7 +320,13 @@ class AdaptiveK:
             drafted = k if keys is None else 0
         if drafted > 0:
             d = self._draft
-            d[0], d[1] = d[0] * self.decay + t_draft, d[1] * self.decay + drafted
+            if d[1] > 0.5:  # as a forward's: a stray slow draft (machine busy) counts at most 1.5x the mean
+                t_draft = min(t_draft, 1.5 * drafted * d[0] / d[1])
+            # decayed by the rounds since drafts were last timed (as forwards are): a fresh probe's
+            # timing outweighs one made long ago
+            f = self.decay ** max(self._round - self._draft_at, 1)
+            self._draft_at = self._round
+            d[0], d[1] = d[0] * f + t_draft, d[1] * f + drafted
         if k > 0:
             for i in range(min(n_accepted + 1, k)):  # positions after the first rejection are unseen
                 self._count(keys[i] if keys is not None else None, i < n_accepted)

@@ -151,11 +151,16 @@ class DraftOrNot:
     of whole rounds (drafting included) are kept for drafting rounds and plain ones (decayed
     means); once both are known the better one is used, the other tried after ``explore``
     rounds, and after twice as many each time it loses again (up to 512).  Until then the
-    plan decides, and a mode never tried is tried after ``explore`` rounds.
+    plan decides, and a mode never tried is tried after ``explore`` rounds.  A trial of plain
+    rounds costs nothing beyond its round (the draft caches fall one round behind, which the
+    next drafting round's first evaluation carries anyway), so plain is tried sooner, after
+    ``explore_plain`` rounds: the plan's cost of plain rounds is a guess until one has run
+    (what a forward of n rows from n sequences costs, scaled from other shapes), and drafting
+    it wrongly prefers must not go on for ``explore`` rounds twice before it is found out.
 
     What the rounds' rates leave out is the price of a switch to drafting: a draft model that
     skipped rounds catches up with every sequence's missed tokens first (at 8 sequences, a
-    few plain rounds' time).  Hence three rules:
+    few plain rounds' time).  Hence these rules:
 
     * hysteresis: from plain rounds, drafting is taken up only where its rounds deliver
       ``enter`` (10 %) more; between the margins the current mode stays;
@@ -173,11 +178,17 @@ class DraftOrNot:
       does not pay is not tried even once.
     """
 
-    def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03, enter: float = 1.10):
+    def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03, enter: float = 1.10,
+                 explore_plain: int = 4):
         self.decay, self.explore, self.margin, self.enter = decay, explore, margin, enter
+        self.explore_plain = explore_plain
         self._rate = {True: [0.0, 0.0, 0, 0.0], False: [0.0, 0.0, 0, 0.0]}  # tokens, seconds, rounds, decayed rounds
         self._since = {True: 0, False: 0}
-        self._gap, self._planned, self._mode = explore, None, None
+        self._planned, self._mode = None, None
+        self._gap = self._first_gaps()  # mode tried -> rounds of the other mode before its next trial
+
+    def _first_gaps(self) -> dict[bool, int]:
+        return {True: self.explore, False: min(self.explore_plain, self.explore)}
 
     def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
         r = self._rate[drafted]
@@ -187,14 +198,15 @@ class DraftOrNot:
     def rate(self, drafted: bool, extra_s: float = 0.0) -> float | None:
         """Tokens per second of the rounds that drafted (or not); ``extra_s``: seconds added to each."""
         t, sec, n, dn = self._rate[drafted]
-        return t / (sec + extra_s * dn) if n >= 2 and sec > 0 else None
+        # (one plain round is a measurement: n tokens in one forward; drafting rounds vary with acceptance)
+        return t / (sec + extra_s * dn) if n >= (2 if drafted else 1) and sec > 0 else None
 
     def choose(self, planned: bool, switch_s: float = 0.0, measured: bool = False) -> bool:
         """Draft this round?  ``planned``: what the cost model says (``measured``: from measured
         inputs only); ``switch_s``: seconds per drafting round a switch to drafting costs now."""
         rd, rp = self.rate(True, switch_s), self.rate(False)
         if planned != self._planned:  # the plan changed its mind: try the other again soon
-            self._planned, self._gap = planned, self.explore
+            self._planned, self._gap = planned, self._first_gaps()
         if rd is None or rp is None:
             pick = planned
         elif rd > rp * (self.margin if self._mode else self.enter):
@@ -205,9 +217,9 @@ class DraftOrNot:
             pick = planned if self._mode is None else self._mode
         self._mode = pick
         hopeless = not pick and not planned and (rd is not None or measured)  # a trial nobody expects to win
-        if self._since[not pick] >= self._gap and not hopeless:
+        if self._since[not pick] >= self._gap[not pick] and not hopeless:
             pick = not pick  # a trial (the mode stays)
-            self._gap = min(2 * self._gap, 512)
+            self._gap[pick] = min(2 * self._gap[pick], 512)
         self._since[pick] = 0
         self._since[not pick] += 1
         return pick

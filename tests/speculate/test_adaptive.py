@@ -350,6 +350,31 @@ def test_a_draft_models_catch_up_is_not_taken_for_a_cost_per_drafted_token():
     assert trapped >= 2
 
 
+def test_a_draft_cost_learned_far_too_high_is_measured_again():
+    """A learned state that says a draft token costs 340 ms (learned on a loaded machine; the
+    draft really costs 14.5 ms): a probe's price counts a draft token at one plain forward at
+    most, so probes still come, their fresh timings outweigh the stale figure, and the
+    controller drafts again.  (It stayed plain for good: every probe looked dearer than the
+    probe budget, two plain forwards, could ever hold.)"""
+    for seed in range(4):
+        ctrl = AdaptiveK(k_max=8)
+        ctrl.import_state({"draft": [6.8, 20.0], "counts": [["__pooled__", 18.0, 2.0]]})
+        for w in (1, 2, 3, 5, 9):
+            ctrl.observe_forward(w, standin_cost(w))
+            ctrl.observe_forward(w, standin_cost(w))
+        ks = simulate_lagging_draft(ctrl, 0.9, rounds=500, seed=seed)
+        assert np.mean(np.array(ks[-200:]) > 0) > 0.9, seed
+        assert ctrl.draft_cost < 0.025, seed
+
+
+def test_a_stray_slow_draft_counts_at_most_half_again_the_mean():
+    ctrl = AdaptiveK(k_max=8)
+    for _ in range(10):
+        ctrl.observe(2, 2, 0.1, 0.03)  # 15 ms a token
+    ctrl.observe(2, 2, 0.1, 3.0)  # a draft while the machine was busy: 1.5 s a token
+    assert ctrl.draft_cost < 0.02
+
+
 def test_a_window_size_timed_while_the_machine_was_busy_gives_way_to_a_fresh_timing():
     """Twenty 5-row forwards timed at twice their cost, then 200 plain forwards: the next
     5-row forward (a probe) outweighs them, or the controller would keep believing the

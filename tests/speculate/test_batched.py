@@ -144,7 +144,7 @@ def test_draft_or_not_keeps_its_mode_near_the_break_even(planned):
     from mars_local.speculate.batch_cost import DraftOrNot
 
     for start in (False, True):
-        m = DraftOrNot(explore=1000)
+        m = DraftOrNot(explore=1000, explore_plain=1000)
         m.choose(start)  # the plan's first word sets the mode
         for _ in range(3):
             m.observe(True, 42, 1.0)
@@ -503,6 +503,19 @@ def test_a_plan_spreads_the_catch_up_over_the_rounds_left(n, lags, remaining, dr
     k, k_draft, switch = plan_drafting([[0.85] * 8] * n, CPU_ROWS, 0.005, 8, lags, remaining, 0.004)
     assert (k > 0) is drafts and k_draft >= 1
     assert (switch > 0) is any(lags)
+
+
+def test_plain_rounds_are_tried_soon_where_the_plan_prefers_drafting():
+    """The plan's cost of plain rounds at n sequences is scaled from other shapes until one runs;
+    a trial of plain costs nothing to switch to, so it comes after 4 drafting rounds (not 16),
+    and once plain is measured better the rates decide."""
+    m = DraftOrNot()
+    picks = []
+    for _ in range(12):
+        picks.append(m.choose(True))
+        m.observe(picks[-1], 4, 0.25 if picks[-1] else 0.15)  # drafting: 16 tok/s; plain: 27
+    assert picks[:5] == [True] * 4 + [False]  # the plan's word, then a trial of plain
+    assert picks.count(False) >= 2 and picks[-1] is False  # measured twice: plain from then on
 
 
 def test_a_switch_cost_takes_away_a_rate_lead_that_a_catch_up_would_eat():
