@@ -320,11 +320,17 @@ class AdaptiveK:
             drafted = k if keys is None else 0
         if drafted > 0:
             d = self._draft
-            if d[1] > 0.5:  # as a forward's: a stray slow draft (machine busy) counts at most 1.5x the mean
-                t_draft = min(t_draft, 1.5 * drafted * d[0] / d[1])
             # decayed by the rounds since drafts were last timed (as forwards are): a fresh probe's
             # timing outweighs one made long ago
             f = self.decay ** max(self._round - self._draft_at, 1)
+            if d[1] > 0.5:
+                mean = d[0] / d[1]
+                if t_draft < 0.5 * drafted * mean:
+                    # a machine's noise only ever adds time: a draft this much cheaper than the figure
+                    # means the figure is wrong (learned while the machine was busy), not this draft
+                    f = 0.0
+                else:  # as a forward's: a stray slow draft (machine busy) counts at most 1.5x the mean
+                    t_draft = min(t_draft, 1.5 * drafted * mean)
             self._draft_at = self._round
             d[0], d[1] = d[0] * f + t_draft, d[1] * f + drafted
         if k > 0:

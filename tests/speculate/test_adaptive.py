@@ -367,6 +367,16 @@ def test_a_draft_cost_learned_far_too_high_is_measured_again():
         assert ctrl.draft_cost < 0.025, seed
 
 
+def test_one_draft_far_cheaper_than_the_learned_figure_replaces_it():
+    """Noise only adds time: a probe that drafts at 15 ms a token against a learned 340 ms is
+    the truth about the figure, which gives way at once (it took several probes, a few
+    hundred rounds apart, to wear down)."""
+    ctrl = AdaptiveK(k_max=8)
+    ctrl.import_state({"draft": [6.8, 20.0]})
+    ctrl.observe(2, 2, 0.15, 0.03)
+    assert ctrl.draft_cost < 0.05
+
+
 def test_a_stray_slow_draft_counts_at_most_half_again_the_mean():
     ctrl = AdaptiveK(k_max=8)
     for _ in range(10):
