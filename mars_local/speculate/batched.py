@@ -290,7 +290,7 @@ class Scheduler:
         it cost here, and a trial of drafting at a load where the plan says it cannot pay (whose
         catch-up of every live prompt costs seconds at 8 sequences) is not needed to find out."""
         self._draft_timed = True
-        lag = [s for s in seqs if self._lag(s) > 2]
+        lag = [s for s in seqs if self._lag(s)]  # (3 tokens behind at least: two steps leave one to catch up)
         if not lag:
             return
         clock = time.perf_counter
@@ -303,6 +303,8 @@ class Scheduler:
             self.cost.observe_draft(len(lag), dt)
             s = max(lag, key=self._lag)
             n = min(32, self._lag(s))
+            if not n:
+                return
             t0 = clock()
             self.dmc.extend([(s.dview.seq_id, s.run.tokens[s.dview.n_past:s.dview.n_past + n])])
             c = self._catch
