@@ -52,7 +52,6 @@ from ..llama.context import last_rides
 from ..llama.eagle3 import open_eagle3
 from ..llama.mtp import open_mtp
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, exact_reuse
-from .adaptive import expected_tokens
 from . import native
 from .batch_cost import BatchCost, DraftOrNot, choose_window, plan_drafting
 from .batch_stream import BatchStream, _Seq
@@ -398,7 +397,7 @@ class Scheduler:
         if not lag:
             return
         t0 = time.perf_counter()
-        missed = [len(s.run.tokens) - 1 - s.dview.n_past for s in lag]
+        missed = [self._lag(s) for s in lag]
         try:  # (every draft context is a unified cache: a draft model's, an MTP layer's, an EAGLE-3 head's)
             self.dmc.extend([(s.dview.seq_id, s.run.tokens[s.dview.n_past:-1]) for s in lag])
         except Exception:  # noqa: BLE001 - then each sequence alone, a failure ending it only
