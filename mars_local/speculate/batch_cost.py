@@ -91,6 +91,8 @@ class BatchCost:
             self._warm.add(rows)
             return
         slot = self._time.setdefault(rows, [0.0, 0.0])
+        if slot[1] >= 1.0:  # a stall (another process, a page fault) counts at 1.5x the mean at most
+            seconds = min(seconds, 1.5 * slot[0] / slot[1])
         slot[0] = slot[0] * self.decay + seconds
         slot[1] = slot[1] * self.decay + 1.0
 
@@ -111,9 +113,15 @@ class BatchCost:
         return self._draft[1] > 0.5
 
     def costs(self, prior: AdaptiveK | None = None) -> list[float]:
-        """Seconds of a forward of R = 1..max_rows rows.  With ``prior`` (a controller that timed
-        lone windows on this machine) its curve gives the shape, scaled to the batched forwards
-        timed (their ratio to it, interpolated between the sizes timed); else a line through them."""
+        """Seconds of a forward of R = 1..max_rows rows, never less than of fewer rows.  With
+        ``prior`` (a controller that timed lone windows on this machine) its curve gives the
+        shape, scaled to the batched forwards timed (their ratio to it, interpolated between the
+        sizes timed); else a line through them.  (The running maximum keeps one slow sample of a
+        size, all the plan knows of it early on, from making wider forwards look cheaper than it,
+        which would have the plan draft where every forward costs more.)"""
+        return list(np.maximum.accumulate(self._curve(prior)))
+
+    def _curve(self, prior: AdaptiveK | None) -> list[float]:
         seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05}
         lone = prior.target_costs(self.max_rows) if prior is not None else None
         if lone is not None:

@@ -104,7 +104,7 @@ class Scheduler:
         self._copy_s = kv_cache_bytes(engine.target, self.mc.n_ctx) / bandwidth
         self._prefill_rate = [0.0, 0.0]  # decayed prefill seconds, tokens
         self._catch = [0.0, 0.0]  # a draft model's catch-ups: decayed seconds, tokens
-        self._draft_timed = False  # _calibrate_draft ran
+        self._draft_timed = False  # _calibrate_draft timed (or failed to time) the draft model
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -288,10 +288,10 @@ class Scheduler:
         32 of one sequence's missed tokens.  The plan then knows what drafting and switching to
         it cost here, and a trial of drafting at a load where the plan says it cannot pay (whose
         catch-up of every live prompt costs seconds at 8 sequences) is not needed to find out."""
-        self._draft_timed = True
         lag = [s for s in seqs if self._lag(s)]  # (3 tokens behind at least: two steps leave one to catch up)
-        if not lag:
+        if not lag:  # nothing to time yet (a later round will be): the plan stays unmeasured till then
             return
+        self._draft_timed = True  # (set before the decodes: a failing one is not retried every round)
         clock = time.perf_counter
         try:
             for _ in range(2):  # the first decode of a new shape builds its graph: the second is timed
