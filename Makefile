@@ -40,7 +40,7 @@ run: install
 # The whole suite, each test once: the pure modules' tests in a venv without llama-cpp-python
 # (which proves they need none), then every other test in .venv.
 test: install rpc-server test-pure
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(PURE_TESTS))
+	scripts/run_suite.sh $(BIN)/python -m pytest -q $(addprefix --ignore=,$(PURE_TESTS))
 
 # The inner loop (about half a minute): everything but the tests marked slow (real weights, live
 # servers, subprocess runs, statistical sweeps: pyproject.toml's markers), in .venv.
@@ -61,7 +61,7 @@ $(PURE_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-pure: $(PURE_VENV)/.installed
-	MARS_PURE_TESTS=1 $(PURE_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PURE_TESTS)
+	MARS_PURE_TESTS=1 scripts/run_suite.sh $(PURE_VENV)/bin/python -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 
 bench: install
 	$(BIN)/mars bench

@@ -25,6 +25,16 @@ os.environ["MARS_BUSY_NOTE"] = "0"
 # The `fake_engine` fixture, for every test module (no import needed).
 pytest_plugins = ["fake_engine"]
 
+# scripts/run_suite.sh (`make test`) names the test that was running when a run failed, a native
+# crash included (which ends the process before pytest can report anything).
+_TRACE = os.environ.get("MARS_TEST_TRACE")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if _TRACE:
+        with open(_TRACE, "w") as f:
+            f.write(nodeid + "\n")
+
 
 if PURE_RUN:
 

@@ -179,12 +179,30 @@ def create_context(model: Model, cp, info: _CtxInfo):
 
 
 class OwnsContext:
-    """Frees a llama_context (``_ctx``) and its batch (``_batch``) once: close(), or collection."""
+    """Frees a llama_context (``_ctx``) and its batch (``_batch``) once, and before the model
+    (``model``) they were made from: close(), collection, or the model's close if it comes
+    first (``Model.owns``: a cycle's objects are collected in any order)."""
+
+    def _adopt(self, own_tokens: bool = False) -> None:
+        """Once ``_ctx`` and ``_batch`` exist.  ``own_tokens``: the batch's token array is a
+        buffer of ours, not llama_batch_init's, which llama_batch_free must not free."""
+        ctx, batch = self._ctx, self._batch
+
+        def free() -> None:
+            if own_tokens:
+                batch.token = ctypes.POINTER(C.llama_token)()
+            C.llama_batch_free(batch)
+            C.llama_free(ctx)
+
+        self._free = self.model.owns(free)
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
-            C.llama_batch_free(self._batch)
-            C.llama_free(self._ctx)
+            free = getattr(self, "_free", None)
+            if free is not None:
+                free()
+            else:  # (it failed between the context and its batch)
+                C.llama_free(self._ctx)
             self._ctx = None
 
     def __del__(self):  # pragma: no cover
@@ -230,6 +248,7 @@ class Context(OwnsContext):
         self._tok = np.ctypeslib.as_array(b.token, shape=(n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, shape=(n_batch,))
         self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(n_batch,))
+        self._adopt()
         self.tokens: list[int] = []  # mirror of the KV cache, positions 0..len-1
         self.hidden: np.ndarray | None = None  # (n_ctx, n_embd) last hidden rows by position, when captured
         # a recurrent target: how far its state can be rolled back (None: cells, any prefix)

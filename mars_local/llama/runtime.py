@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..core.errors import MarsError
@@ -135,6 +135,24 @@ def _own_running_threads() -> int:
     return max(n, 1)
 
 
+class FreeOnce:
+    """A native free that runs at most once, whoever calls it first (:meth:`Model.owns`)."""
+
+    __slots__ = ("_free",)
+
+    def __init__(self, free: Callable[[], None]):
+        self._free = free
+
+    @property
+    def pending(self) -> bool:
+        return self._free is not None
+
+    def __call__(self) -> None:
+        free, self._free = self._free, None
+        if free is not None:
+            free()
+
+
 class Model:
     """A loaded GGUF model (weights only; contexts are separate).
 
@@ -175,6 +193,7 @@ class Model:
             params.use_extra_bufts = False
         params.load_mtp = bool(load_mtp)
         _recent_log.clear()
+        self._owned: list[FreeOnce] = []  # what contexts made from it must free before it (owns())
         self._model = C.llama_model_load_from_file(str(p).encode(), params)
         if not self._model:
             reason = _last_llama_error()
@@ -261,8 +280,21 @@ class Model:
     def detokenize(self, tokens, special: bool = False) -> str:
         return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", errors="replace")
 
+    def owns(self, free: Callable[[], None]) -> "FreeOnce":
+        """``free`` (a native object made from this model: a context and its batch) wrapped to run
+        once, by the caller's close or, if the model is closed first, then and before the model
+        is freed.  The garbage collector finalizes the objects of a reference cycle (an engine
+        never closed) in any order, and a llama_context freed after its model is a use after
+        free."""
+        once = FreeOnce(free)
+        self._owned = [o for o in self._owned if o.pending] + [once]
+        return once
+
     def close(self) -> None:
         if getattr(self, "_model", None):
+            for once in self._owned:
+                once()
+            self._owned = []
             C.llama_model_free(self._model)
             self._model = None
 

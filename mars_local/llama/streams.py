@@ -133,17 +133,13 @@ class MultiContext(OwnsContext):
         self._pos = np.ctypeslib.as_array(b.pos, shape=(rows,))
         self._out = np.ctypeslib.as_array(ctypes.cast(b.logits, ctypes.POINTER(ctypes.c_int8)), shape=(rows,))
         self._seq_ptrs = [b.seq_id[i] for i in range(rows)]
+        self._adopt(own_tokens=self._emb is not None)
         self.seqs = [self._view(i) for i in range(n_seq)]
         self.n_decodes = 0  # llama_decode calls so far (the scheduler's statistics)
         self._read_hidden = None  # capture_hidden: what to keep of each row, per sequence
 
     def _view(self, i: int) -> "SeqView":
         return SeqView(self, i)
-
-    def close(self) -> None:
-        if getattr(self, "_ctx", None) and self._emb is not None:
-            self._batch.token = ctypes.POINTER(C.llama_token)()  # ours: llama_batch_free must not free it
-        super().close()
 
     def capture_hidden(self, width: int, read=None) -> None:
         """Keep a row of ``width`` floats per position every sequence evaluates (``SeqView.hidden[p]``):

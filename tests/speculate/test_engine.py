@@ -294,6 +294,32 @@ def test_kv_rollback_matches_a_fresh_evaluation(tiny_target):
     model.close()
 
 
+def test_a_model_closed_first_frees_its_contexts_first_and_once(tiny_target):
+    """The garbage collector finalizes a reference cycle's objects (an engine never closed) in any
+    order: a model freed before a context made from it frees that context first (a llama_context
+    freed after its model is a use after free), and the context's own close then frees nothing
+    twice; a context whose batch carries our token buffer (rows with input embeddings) keeps
+    llama_batch_free off that buffer either way."""
+    from mars_local.llama.streams import MultiContext
+
+    model = Model(tiny_target)
+    ctx = Context(model, n_ctx=64, n_batch=8)
+    multi = MultiContext(model, 2, n_ctx_seq=32, n_batch=8, unified=True, n_embd_in=model.n_embd)
+    gone = Context(model, n_ctx=64, n_batch=8)
+    gone.close()
+    assert len(model._owned) == 3 and [o.pending for o in model._owned] == [True, True, False]
+    model.close()
+    assert not ctx._free.pending and not multi._free.pending
+    ctx.close()
+    multi.close()
+    assert ctx._ctx is None and multi._ctx is None
+    model2 = Model(tiny_target)
+    Context(model2, n_ctx=64, n_batch=8).close()
+    Context(model2, n_ctx=64, n_batch=8).close()
+    assert len(model2._owned) == 1  # the freed ones are dropped as new ones come
+    model2.close()
+
+
 def test_prompt_prefix_is_reused_across_generations(spec):
     spec.generate("hello world the a", max_tokens=4)
     out = spec.generate("hello world the a hello", max_tokens=4)
