@@ -194,6 +194,8 @@ def mars_command(a: argparse.Namespace, max_clients: int, parallel: int = 1) -> 
                   "--queue", str(max(64, 2 * max_clients)), "--parallel", str(parallel), "--quiet"]
     if a.ngl is not None:
         cmd += ["-ngl", a.ngl, "-ngld", a.ngl]
+    if a.fast_kernels:
+        cmd += ["--fast-kernels"]
     return cmd
 
 
@@ -417,6 +419,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-bin", default=str(DEFAULT_LLAMA_BIN),
                    help="Folder with llama-server (default .cache/llama-bin, from benchmarks/build_llama_tools.sh).")
     p.add_argument("--no-peers", action="store_true", help="Skip llama-server.")
+    p.add_argument("--fast-kernels", action="store_true",
+                   help="mars serve --fast-kernels (on a GPU: batched forwards of any size instead of 16 rows at most).")
     p.add_argument("--json", default=None, metavar="OUT", help="Write all rows (and the settings) to this file.")
     p.add_argument("--timeout", type=float, default=600.0, help="Seconds one request may take (default 600).")
     p.add_argument("--startup-timeout", type=float, default=300.0,

@@ -43,10 +43,12 @@ def main(argv=None) -> int:
     ap.add_argument("draft")
     ap.add_argument("-n", type=int, default=64, help="tokens per output (default 64)")
     ap.add_argument("--draft-max", default="4,8", help="fixed draft lengths k, a comma list (default 4,8)")
-    ap.add_argument("--prompts", type=int, default=8, help="how many bench chat prompts (default 8)")
+    ap.add_argument("--prompts", type=int, default=8, help="how many bench prompts, chat ones first (default 8)")
     ap.add_argument("--parallel", type=int, default=1, help="also decode the prompts P at a time in one batch")
     ap.add_argument("-ngl", type=int, default=None, help="GPU layers for both models (default: all on a GPU build)")
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--fast-kernels", action="store_true",
+                    help="load the target as `--fast-kernels` does (on a GPU: forwards of any size, not 16 rows at most)")
     ap.add_argument("--json", default=None, metavar="OUT")
     a = ap.parse_args(argv)
     try:
@@ -63,11 +65,13 @@ def main(argv=None) -> int:
     from mars_local.bench.prompts import load_prompts
     from mars_local.llama.runtime import backend_info
 
-    prompts = [p.messages for p in load_prompts(categories=["chat"])][: a.prompts]
-    report = {"backend": backend_info(), "n": a.n, "settings": []}
+    # the chat prompts first, then the other categories' (all bench prompts are chats)
+    every = sorted(load_prompts(), key=lambda p: p.category != "chat")
+    prompts = [p.messages for p in every][: a.prompts]
+    report = {"backend": backend_info(), "n": a.n, "fast_kernels": a.fast_kernels, "settings": []}
     bad = 0
     with Engine(a.target, draft=a.draft, n_ctx=2048, n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngl,
-                n_threads=a.threads, learned=False) as eng:
+                n_threads=a.threads, learned=False, exact_kernels=not a.fast_kernels) as eng:
         toks = [eng.chat_prompt(m) for m in prompts]
         opts = dict(max_tokens=a.n, temperature=0, ignore_eos=True, verify="strict", adaptive=False)
         t0 = time.perf_counter()

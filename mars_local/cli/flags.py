@@ -140,8 +140,9 @@ CHAT_TEMPLATE = typer.Option(
 )
 FAST_KERNELS = typer.Option(
     False, "--fast-kernels",
-    help="Allow llama.cpp's repacked weight kernels for the target (~10% faster on K-quants on CPU); "
-    "strict greedy output may then differ from plain decoding at near-ties.",
+    help="Allow llama.cpp's repacked weight kernels for the target (~10% faster on K-quants on CPU) and, "
+    "on a GPU, batched forwards of more than 16 rows; strict greedy output may then differ from plain "
+    "decoding at near-ties.",
 )
 RPC = typer.Option(
     None, "--rpc", help="llama.cpp RPC servers HOST:PORT[,HOST:PORT...] that take the target's layers (trusted networks only)."

@@ -360,7 +360,7 @@ class Context(OwnsContext):
         # a recurrent target's last chunk leaves a checkpoint: without the last token, so that the
         # same prompt again reuses it (llama/recurrent.py)
         keep = self._rollback is not None and self._rollback.saves(last_chunk(len(rest), self.n_batch))
-        if last_rides(len(rest), self.n_batch) and len(tokens) <= self.n_ctx and not keep:
+        if last_rides(len(rest), self.n_batch, self.model.invariant_rows) and len(tokens) <= self.n_ctx and not keep:
             row = self.eval(rest + [last], n_out=1)[0].copy()
             return len(rest), row
         if rest:

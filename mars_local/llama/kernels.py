@@ -25,10 +25,11 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     """{weight types: the kernels one row and a verify window (2-64 rows) take} for this build."""
     feats = cpu_features(system_info)
     if backend != "cpu":
-        return {"all": f"{backend} kernels for offloaded layers: strict == plain is not guaranteed bit for bit "
-                       "there (an H200: lone sequences matched plain token for token, 8 batched ones did not; "
-                       "check a GPU with benchmarks/batch_invariance.py); a target loaded with -ngl 0 takes the CPU's "
-                       "exact kernels, its 32+-row forwards kept off the GPU"}
+        return {"all": f"{backend} kernels for offloaded layers, verify windows and batched rounds kept "
+                       "within 16 rows a forward (on an H200 windows and batches of up to 16-17 rows matched single rows bit for bit "
+                       "and 32-33 did not; a round of more rows takes several forwards; --fast-kernels lifts the "
+                       "bound); not guaranteed on other GPUs: check one with benchmarks/batch_invariance.py. A "
+                       "target loaded with -ngl 0 takes the CPU's exact kernels, its 32+-row forwards kept off the GPU"}
     x86 = bool(feats & {"AVX", "AVX2", "AVX512"})
     if not (x86 and "LLAMAFILE" in feats):
         return {"all": "ggml's dot kernels for every batch of up to 64 rows (exact; a window of k+1 rows "

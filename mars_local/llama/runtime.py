@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
 from .backend import C, LLAMA_CPP_PYTHON_VERSION, init_backend
 from .backend import last_llama_error as _last_llama_error
@@ -20,7 +21,24 @@ from .backend import recent_log as _recent_log
 from .gguf_file import check_gguf_file
 from .recurrent import ROLLBACK_DEPTH, supports_rollback
 
-__all__ = ["Model", "check_vocab_compatible", "backend_info", "build_fingerprint"]
+__all__ = ["Model", "check_vocab_compatible", "backend_info", "build_fingerprint", "invariant_rows",
+           "GPU_INVARIANT_ROWS"]
+
+# Rows one forward of offloaded layers may carry with every row computed as in a 1-row forward,
+# measured on CUDA (an H200, BENCHMARKS.md "On a GPU"): lone windows of 2-17 rows were bit-identical
+# to single rows for F16, Q4_K_M and Q4_1 weights, 33-row ones were not; strict greedy with 4
+# sequences of 4 rows (16 in one forward) equalled plain greedy on 8 of 8 prompts, with 8 sequences
+# of 4 rows (32) on 6 of 8.  Above it llama.cpp's GPU matrix kernels change (cuBLAS, tile sizes).
+GPU_INVARIANT_ROWS = 16
+
+
+def invariant_rows(offloaded: bool, exact_kernels: bool) -> int:
+    """How many rows one forward of a model may carry, each computed as a lone row would be
+    (pure): on the CPU our patched kernels' bound (patches/0002, 0003: 64); with layers on a
+    GPU, exact decoding keeps its forwards within GPU_INVARIANT_ROWS (a batch of more rows is
+    decoded in several forwards), fast kernels (``exact_kernels`` off) do not."""
+    cpu = SETTINGS["draft_max"].hi + 1
+    return GPU_INVARIANT_ROWS if offloaded and exact_kernels else cpu
 
 
 def gpu_offload_supported() -> bool:
@@ -203,6 +221,8 @@ class Model:
         # exact kernels on the CPU of a build that has a GPU: llama.cpp would send a CPU layer's
         # forwards of 32+ rows to the GPU ("op offload"), whose kernels sum otherwise (context.py)
         self.cpu_exact_on_gpu_build = bool(exact_kernels) and not self.offloaded and gpu_offload_supported()
+        # the most rows one forward may carry exactly (verify windows, batched rounds, riding prompts)
+        self.invariant_rows = invariant_rows(self.offloaded, bool(exact_kernels))
         self.vocab = C.llama_model_get_vocab(self._model)
         self.n_vocab = int(C.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(self._model))

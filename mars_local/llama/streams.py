@@ -17,10 +17,11 @@ Why per-sequence streams (``kv_unified = false``)
   where a lone run would put them, and its rows equal a lone run's bit for bit.
 
 What one decode may carry (exactness)
-  * Windows of at most ``MAX_INVARIANT_ROWS`` rows in all: our patched kernels
-    compute a row the same whatever else shares the batch up to 64 rows
-    (``patches/0002``, ``0003``); above it quantized weights take tiled kernels
-    (measured: 72 rows of a Q4_K_M model differ from lone rows).
+  * Windows of at most ``invariant_rows`` rows in all (``Model.invariant_rows``): our
+    patched CPU kernels compute a row the same whatever else shares the batch up to
+    64 rows (``patches/0002``, ``0003``); above it quantized weights take tiled kernels
+    (measured: 72 rows of a Q4_K_M model differ from lone rows).  Layers on a GPU
+    keep it up to 16 rows (``runtime.GPU_INVARIANT_ROWS``, measured on CUDA).
   * Windows of equal length from sequences with consecutive ids: llama.cpp splits
     a batch over several streams into "equal" micro-batches (the same number of
     rows per sequence, consecutive streams), so unequal windows would cost one
@@ -119,6 +120,7 @@ class MultiContext(OwnsContext):
         self.n_threads = info.n_threads
         self.mem = C.llama_get_memory(self._ctx)
         self.n_vocab = model.n_vocab
+        self.invariant_rows = model.invariant_rows  # rows one exact decode may carry (Model)
         rows = max(self.n_batch, MAX_INVARIANT_ROWS)
         self._batch = C.llama_batch_init(rows, n_embd_in, 1)
         b = self._batch
@@ -242,14 +244,17 @@ class MultiContext(OwnsContext):
         return np.ctypeslib.as_array(ptr, shape=(first + n, self.n_vocab))[first:]
 
     def decode_windows(self, windows: Sequence[tuple[int, Sequence[int]]],
-                       max_rows: int = MAX_INVARIANT_ROWS, last_only: bool = False) -> list[np.ndarray]:
+                       max_rows: int | None = None, last_only: bool = False) -> list[np.ndarray]:
         """Evaluate each (sequence, window) and return every window's rows of logits (copies;
         ``last_only``: its last row only, shape (1, V)).
 
         Windows go in sequence order, ``max_rows`` rows per decode at most (whole
-        windows; a window longer than that is refused).  For one micro-batch per
-        decode give windows of equal length from consecutive sequences.
+        windows; a window longer than that is refused; default: ``invariant_rows``, the
+        model's exact bound, so that a batch of more rows on a GPU takes several decodes).
+        For one micro-batch per decode give windows of equal length from consecutive sequences.
         """
+        if max_rows is None:
+            max_rows = self.invariant_rows
         order = sorted(range(len(windows)), key=lambda j: windows[j][0])
         out: list[np.ndarray | None] = [None] * len(windows)
         group: list[int] = []

@@ -83,6 +83,9 @@ class BatchCost:
 
     max_rows: int = MAX_ROWS
     decay: float = 0.95
+    # the most rows one decode carries (a GPU's exact bound: llama.runtime.GPU_INVARIANT_ROWS):
+    # a forward of more rows is that many decodes, and costs their sum where not timed itself
+    split_rows: int | None = None
     _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
     _warm: set = field(default_factory=set)
 
@@ -122,6 +125,17 @@ class BatchCost:
         return list(np.maximum.accumulate(self._curve(prior)))
 
     def _curve(self, prior: AdaptiveK | None) -> list[float]:
+        out = self._one_decode_curve(prior)
+        cap = self.split_rows
+        if cap is None or cap >= self.max_rows:
+            return out
+        for r in range(cap + 1, self.max_rows + 1):
+            if self._time.get(r, (0.0, 0.0))[1] <= 0.05:  # not timed: whole decodes of ``cap`` rows + the rest
+                q, m = divmod(r, cap)
+                out[r - 1] = q * out[cap - 1] + (out[m - 1] if m else 0.0)
+        return out
+
+    def _one_decode_curve(self, prior: AdaptiveK | None) -> list[float]:
         seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05}
         lone = prior.target_costs(self.max_rows) if prior is not None else None
         if lone is not None:

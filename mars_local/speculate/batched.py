@@ -88,7 +88,8 @@ class Scheduler:
             self.dmc = open_mtp(self.mc)
         elif engine.drafter_kind == "eagle3":  # the EAGLE-3 head, one sequence per target sequence
             self.dmc = open_eagle3(self.mc, engine.draft_model)
-        self.cost = BatchCost()
+        inv = self.mc.invariant_rows
+        self.cost = BatchCost(split_rows=inv if inv < MAX_INVARIANT_ROWS else None)
         # the patched libllama's verify kernel when there is one (same results as numpy), chosen once
         self._verify_window = native.verify if native.available() else verify
         self.mode = DraftOrNot()  # a draft model's rounds: draft or not, from the rates delivered
@@ -207,7 +208,8 @@ class Scheduler:
             view = self.mc.seq(slot)
             if not view.tokens:
                 continue
-            m = view.reachable(exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch))
+            m = view.reachable(exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch,
+                                           self.mc.invariant_rows))
             if m > n:
                 best, n = slot, m
         return best, n
@@ -226,7 +228,8 @@ class Scheduler:
                 budget -= len(chunk)
                 # the last chunk: the prompt's last token rides in it when that is exact
                 # (llama.context.last_rides), and the first token is known at once
-                rides = not s.pending and last_rides(len(chunk), nb) and s.view.n_past + len(chunk) < s.view.n_ctx
+                rides = (not s.pending and last_rides(len(chunk), nb, self.mc.invariant_rows)
+                         and s.view.n_past + len(chunk) < s.view.n_ctx)
                 rb = s.view._rollback  # (a recurrent target's chunk leaves a checkpoint: without the last token)
                 rides = rides and not (rb is not None and rb.saves(len(chunk)))
                 t0 = time.perf_counter()
@@ -271,7 +274,7 @@ class Scheduler:
         """Time forwards of a few row counts once, on top of a live sequence's cells
         (rolled back after each): the round's choice needs the cost curve."""
         base, last, held = s.view.n_past, s.run.tokens[-1], list(s.view.tokens)
-        for rows in CALIBRATION_ROWS:
+        for rows in (r for r in CALIBRATION_ROWS if r <= self.mc.invariant_rows):
             if base + rows >= s.view.n_ctx:
                 break
             for _ in range(2):  # the first forward of a new shape builds its graph
@@ -322,7 +325,9 @@ class Scheduler:
             if prior.target_costs(1) is None:  # no lone windows timed yet on this machine
                 self._calibrate(seqs[0])
             self.calibrated = True
-        k_room = max(0, MAX_INVARIANT_ROWS // len(seqs) - 1)
+        # every window within the model's exact bound; a round of more rows than that takes
+        # several decodes (a GPU's 16), the plan knowing their cost (BatchCost.split_rows)
+        k_room = max(0, min(MAX_INVARIANT_ROWS // len(seqs), self.mc.invariant_rows) - 1)
         costly = [s for s in seqs if not s.run.drafter.cheap and s.run.ctrl is not None]
         drafting = None
         if costly and k_room > 0:  # plan before a draft model drafts: pooled acceptance, draft cost per token
@@ -487,7 +492,7 @@ class Scheduler:
     def _k_limit(self) -> int:
         """The longest draft: windows within the invariant bound, and (a recurrent target) whose
         rejection its state can roll back (llama/recurrent.py)."""
-        return min(MAX_INVARIANT_ROWS - 1, self.eng.target.rollback_depth or MAX_INVARIANT_ROWS)
+        return min(self.mc.invariant_rows - 1, self.eng.target.rollback_depth or MAX_INVARIANT_ROWS)
 
     def _draft_cap(self, s: _Seq) -> int | None:
         cap = s.run.draft_cap(s.view, self._k_limit)

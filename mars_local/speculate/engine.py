@@ -223,9 +223,11 @@ class Engine(TargetAccess):
 
     @property
     def _k_limit(self) -> int:
-        """The longest draft whose verify window (k + 1 rows) fits one batch (and whose rejection
-        a recurrent target's state can roll back: llama/recurrent.py)."""
-        return min(MAX_DRAFT, self._ctx.n_batch - 1, self.target.rollback_depth or MAX_DRAFT)
+        """The longest draft whose verify window (k + 1 rows) fits one batch and the target's
+        exact bound (Model.invariant_rows: 16 rows on a GPU), and whose rejection a recurrent
+        target's state can roll back (llama/recurrent.py)."""
+        return min(MAX_DRAFT, self._ctx.n_batch - 1, self.target.invariant_rows - 1,
+                   self.target.rollback_depth or MAX_DRAFT)
 
     def _controller(self, cfg: GenerateConfig) -> AdaptiveK | None:
         """The draft-length controller for ``cfg`` (None: k stays at draft_max)."""

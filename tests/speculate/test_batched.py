@@ -11,7 +11,7 @@ import pytest
 from mars_local import Engine
 from mars_local.llama.context import MAX_INVARIANT_ROWS, Context, last_rides
 from mars_local.core.errors import MarsError
-from mars_local.llama.runtime import Model
+from mars_local.llama.runtime import GPU_INVARIANT_ROWS, Model, invariant_rows
 from mars_local.llama.streams import MultiContext, exact_reuse
 from mars_local.speculate.adaptive import POOL
 from mars_local.speculate.batch_cost import BatchCost, DraftOrNot, choose_window, plan_drafting
@@ -191,6 +191,75 @@ def test_one_slow_forward_makes_no_wider_forward_look_cheaper():
     c2.observe(2, 10.0)  # a stall
     t, n = c2._time[2]
     assert t / n == pytest.approx((0.1 * c2.decay + 0.15) / (c2.decay + 1))
+
+
+def test_a_forward_beyond_the_split_costs_its_whole_decodes():
+    """A GPU's exact bound (16 rows a decode): a round of more rows is several decodes, and the
+    plan prices it so where it was not timed; a size that was timed keeps its own cost."""
+    c = BatchCost(max_rows=64, split_rows=16)
+    for rows, t in ((1, 1.0), (4, 1.2), (16, 2.0), (40, 4.5)):
+        c.observe(rows, 0.0)  # (the first of each shape is not timed)
+        c.observe(rows, t)
+    got = c.costs()
+    assert got[15] == pytest.approx(2.0) and got[16] == pytest.approx(2.0 + 1.0)  # 16 + 1 row
+    assert got[31] == pytest.approx(4.0) and got[35] == pytest.approx(4.0 + 1.2)  # 2 x 16, 2 x 16 + 4
+    assert got[39] == pytest.approx(max(4.5, got[38]))  # timed (running maximum still holds)
+    assert got[63] == pytest.approx(8.0)
+    plain = BatchCost(max_rows=64)
+    for rows, t in ((1, 1.0), (4, 1.2), (16, 2.0)):
+        plain.observe(rows, 0.0)
+        plain.observe(rows, t)
+    assert plain.costs()[31] == pytest.approx(2.0 + 16 * (0.8 / 12))  # one decode: the line through 4, 16
+
+
+def test_invariant_rows_bound_a_gpu_placement_only_when_decoding_exactly():
+    assert invariant_rows(offloaded=True, exact_kernels=True) == GPU_INVARIANT_ROWS == 16
+    assert invariant_rows(offloaded=True, exact_kernels=False) == MAX_INVARIANT_ROWS  # --fast-kernels
+    assert invariant_rows(offloaded=False, exact_kernels=True) == MAX_INVARIANT_ROWS  # our CPU kernels
+    assert invariant_rows(offloaded=False, exact_kernels=False) == MAX_INVARIANT_ROWS
+
+
+def test_a_target_with_a_small_exact_bound_decodes_every_round_within_it(tiny_target, tiny_draft):
+    """What a GPU's bound does, on the CPU with a bound of 4 rows: every target decode of the
+    scheduler (windows, calibration) and every lone verify window stays within it, rounds of
+    more rows are split into several decodes, and strict greedy still equals plain greedy."""
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=512, n_threads=2, learned=False) as eng:
+        want = [plain(eng, p, 20) for p in PROMPTS[:3]]
+        eng.target.invariant_rows = 4
+        assert eng._k_limit == 3
+        lone = eng.generate(PROMPTS[0], max_tokens=20, temperature=0, verify="strict", draft_max=8,
+                            adaptive=False, ignore_eos=True)
+        assert lone.tokens == want[0] and 0 < lone.stats.n_drafted <= 3 * lone.stats.n_rounds
+        sch = Scheduler(eng, 3)
+        assert sch.cost.split_rows == 4 and sch._k_limit == 3
+        sch.mode.choose = lambda planned, *_: True  # every round drafts (exactness of verified drafts)
+        rows, asked, inside = [], [], [False]
+        real_decode, real_windows = sch.mc._decode, sch.mc.decode_windows
+
+        def decode(parts):  # a llama_decode call: its rows, when it evaluates windows
+            if inside[0]:
+                rows.append(sum(len(t) for _, t, _ in parts))
+            return real_decode(parts)
+
+        def windows(ws, *a, **kw):  # what a round (or the calibration) asks for at once
+            asked.append(sum(len(t) for _, t in ws))
+            inside[0] = True
+            try:
+                return real_windows(ws, *a, **kw)
+            finally:
+                inside[0] = False
+
+        sch.mc._decode, sch.mc.decode_windows = decode, windows
+        try:
+            streams = [sch.submit(p, max_tokens=20, temperature=0, verify="strict", ignore_eos=True)
+                       for p in PROMPTS[:3]]
+            got = [[t for c in st for t in c.tokens] for st in streams]
+        finally:
+            sch.close()
+    assert got == want
+    assert sum(st.stats.n_drafted for st in streams) > 0
+    assert max(asked) > 4  # rounds of more rows than the bound happened...
+    assert rows and max(rows) <= 4  # ...and no decode of windows carried more than it
 
 
 # ------------------------------------------- exact reuse of the cells a slot keeps (pure)
