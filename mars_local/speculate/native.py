@@ -78,13 +78,15 @@ def _addr(a: np.ndarray | None) -> int | None:
 
 
 class _Workspace(threading.local):
-    """Per-thread argument buffers (grown on demand) and the parameter struct
-    of the last (cfg, params, vocab), reused while the caller's objects stay
-    the same (the engine passes the same ones every round)."""
+    """Per-thread argument buffers (grown on demand) and the parameter structs of recent
+    (cfg, params, vocab) triples, reused while the caller's objects stay the same (the engine
+    passes the same ones every round; a batch of N sequences passes N such triples in turn)."""
+
+    MAX_PARAMS = 256  # structs kept (one per live sequence's settings); cleared beyond it
 
     def __init__(self) -> None:
         self.cap = -1
-        self.key: tuple | None = None
+        self.structs: dict[tuple, tuple] = {}
 
     def grow(self, k: int) -> None:
         n = max(k, 16)
@@ -94,26 +96,31 @@ class _Workspace(threading.local):
         self.cap = n
 
     def params(self, params_t, cfg: VerifyConfig, sp: SamplingParams, n_vocab: int):
-        key = self.key
-        if key is None or key[0] is not cfg or key[1] is not sp or key[2] != n_vocab:
-            eog = np.ascontiguousarray(cfg.eog_ids, dtype=np.int32)
-            top_k = int(sp.top_k)
-            self.p = params_t(
-                eog.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) if len(eog) else None,
-                float(cfg.theta),
-                float(sp.temperature),
-                float(sp.top_p),
-                float(sp.min_p),
-                n_vocab,
-                0,  # n_draft, set per call
-                1 if cfg.method == "mars" else 0,
-                1 if cfg.require_positive_top1 else 0,
-                -1 if cfg.max_relaxed is None else min(int(cfg.max_relaxed), _INT32_MAX),
-                top_k if 0 < top_k < n_vocab else 0,
-                len(eog),
-            )
-            self.key = (cfg, sp, n_vocab, eog)  # eog: kept alive while the struct points to it
-        return self.p
+        key = (id(cfg), id(sp), n_vocab)
+        hit = self.structs.get(key)
+        if hit is not None and hit[0] is cfg and hit[1] is sp:
+            return hit[3]
+        eog = np.ascontiguousarray(cfg.eog_ids, dtype=np.int32)
+        top_k = int(sp.top_k)
+        p = params_t(
+            eog.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)) if len(eog) else None,
+            float(cfg.theta),
+            float(sp.temperature),
+            float(sp.top_p),
+            float(sp.min_p),
+            n_vocab,
+            0,  # n_draft, set per call
+            1 if cfg.method == "mars" else 0,
+            1 if cfg.require_positive_top1 else 0,
+            -1 if cfg.max_relaxed is None else min(int(cfg.max_relaxed), _INT32_MAX),
+            top_k if 0 < top_k < n_vocab else 0,
+            len(eog),
+        )
+        if len(self.structs) >= self.MAX_PARAMS:
+            self.structs.clear()
+        # cfg and sp kept alive with their struct (so their ids are not reused); eog while it points to it
+        self.structs[key] = (cfg, sp, eog, p)
+        return p
 
 
 _work = _Workspace()

@@ -248,6 +248,20 @@ def test_mars_relaxes_an_undecided_runner_up_and_respects_the_cap():
         assert r.n_accepted == m and r.relaxed.all()
 
 
+def test_the_settings_of_sequences_verified_in_turn_never_leak_into_each_other():
+    """A batch verifies its sequences in turn, each with its own settings: the kernel's cached
+    parameter structs (one per settings object) must give each call its own rule and θ."""
+    row = np.zeros(200, dtype=np.float32)
+    row[130], row[131] = 10.0, 9.5  # r = 0.95: MARS with θ = 0.9 relaxes it, θ = 0.97 and strict do not
+    logits = np.stack([row, row, row, row])
+    draft = np.array([131, 131, 131])
+    settings = [(VerifyConfig("strict"), 0), (VerifyConfig("mars"), 3), (VerifyConfig("mars", theta=0.97), 0),
+                (VerifyConfig("mars", max_relaxed=1), 1)]
+    sp = [SamplingParams() for _ in settings]
+    for _ in range(3):
+        for (cfg, want), p in zip(settings, sp):
+            assert native.verify(logits, draft, cfg, p).n_accepted == want
+
 def test_inputs_the_kernel_does_not_take_go_to_numpy():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, 50))
