@@ -64,6 +64,7 @@ class FakeEngine:
     n_ctx_train: int = 1024
     has_chat_template: bool = True
     n_threads: int = 0  # 0: no busy-CPU note (a test sets it)
+    max_draft: int = 63  # the most draft tokens a round verifies (Engine.max_draft)
     eog_ids: tuple[int, ...] = (0,)  # byte 0 ends a generation, as an end-of-generation token would
     interrupt_after: int | None = None  # raise KeyboardInterrupt after this many chunks
     fail_on: str | None = None  # a prompt containing this text is refused with a MarsError

@@ -354,6 +354,15 @@ class GenOptions:
         busy = read_busy_note(getattr(eng, "n_threads", 0))
         if busy:
             warn(busy)
+        most = getattr(eng, "max_draft", None)
+        if "draft_max" in self.explicit and most is not None and (self.draft_max or 0) > most:
+            target = getattr(eng, "target", None)
+            why = (f"; with layers on a GPU strict decoding keeps a verify window within "
+                   f"{target.invariant_rows} rows, which --fast-kernels lifts"
+                   if getattr(target, "offloaded", False) and getattr(target, "invariant_rows", 64) <= most + 1
+                   else "")
+            warn(f"{flag_as_typed('draft_max')} {self.draft_max}: this target verifies at most {most} draft "
+                 f"tokens a round here{why}")
         used, requested, train = context_sizes(eng, self.ctx_size)
         if "ctx_size" in self.explicit and self.ctx_size > 0:
             c = f"{flag_as_typed('ctx_size')} {self.ctx_size}"

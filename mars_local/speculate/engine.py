@@ -222,6 +222,13 @@ class Engine(TargetAccess):
         return Drafter()
 
     @property
+    def max_draft(self) -> int:
+        """The most draft tokens a round can verify here, whatever ``draft_max`` asks: a verify
+        window within one batch and the target's exact bound (16 rows with layers on a GPU,
+        unless loaded with ``exact_kernels=False``), and what a recurrent target can roll back."""
+        return self._k_limit
+
+    @property
     def _k_limit(self) -> int:
         """The longest draft whose verify window (k + 1 rows) fits one batch and the target's
         exact bound (Model.invariant_rows: 16 rows on a GPU), and whose rejection a recurrent

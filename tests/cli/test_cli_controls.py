@@ -517,3 +517,15 @@ def test_the_cli_warns_once_when_the_cpu_is_busy(fake_engine, monkeypatch):
     assert r.exit_code == 0, r.output
     lines = [x for x in r.stderr.splitlines() if "CPU is busy" in x]
     assert asked == [2] and len(lines) == 1 and lines[0].startswith("warning:") and "try -t 1" in lines[0], r.stderr
+
+
+def test_a_draft_max_beyond_what_the_target_verifies_is_one_warning(fake_engine):
+    """A GPU target verifies at most 15 draft tokens a round (16-row windows): --draft-max 32 runs
+    and says so in one warning line; a --draft-max within the bound, or none given, says nothing."""
+    fake_engine.max_draft = 15
+    r = ok(invoke("run", "hi", "-m", FAKE, "--draft-max", "32"))
+    lines = [x for x in r.stderr.splitlines() if "draft tokens a round" in x]
+    assert len(lines) == 1 and lines[0].startswith("warning: --draft-max 32") and "at most 15" in lines[0], r.stderr
+    for args in (("--draft-max", "15"), ()):
+        r = ok(invoke("run", "hi", "-m", FAKE, *args))
+        assert "draft tokens a round" not in r.stderr

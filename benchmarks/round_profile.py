@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Where a batched round's time goes: llama_decode (windows, prefill, draft) against the Python around it.
+
+    .venv/bin/python benchmarks/round_profile.py TARGET.gguf [-md DRAFT.gguf] [--parallel 1,4,16] \\
+        [-n 48] [-t 2] [-ngl N] [--fast-kernels] [--json OUT]
+
+For each N it decodes N bench prompts at once through one :class:`mars_local.Scheduler`
+(greedy; plain rounds unless a draft is given), after a short warm-up batch, and splits the
+wall time per round into: the target's decodes of windows (the rounds' forwards), its prefill
+decodes (joining prompts), the draft model's decodes, and the rest (Python: verification,
+bookkeeping, emission).  On a GPU, where a round's forward takes milliseconds, the rest and
+the prefill forwards are what a plain batched server pays beyond llama-server's (BENCHMARKS.md,
+"On a GPU, second visit").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+PARTS = ("windows", "prefill", "draft", "rest")
+
+
+class DecodeClock:
+    """Seconds spent in a MultiContext's llama_decode calls, split by what asked for them."""
+
+    def __init__(self, sch) -> None:
+        self.spent = dict.fromkeys(PARTS[:3], 0.0)
+        self._in_windows = False
+        self._wrap(sch.mc, lambda: "windows" if self._in_windows else "prefill")
+        real_windows = sch.mc.decode_windows
+
+        def windows(*a, **kw):
+            self._in_windows = True
+            try:
+                return real_windows(*a, **kw)
+            finally:
+                self._in_windows = False
+
+        sch.mc.decode_windows = windows
+        if sch.dmc is not None:
+            self._wrap(sch.dmc, lambda: "draft")
+
+    def _wrap(self, mc, part) -> None:
+        real = mc._decode
+
+        def decode(parts):
+            t0 = time.perf_counter()
+            try:
+                return real(parts)
+            finally:
+                self.spent[part()] += time.perf_counter() - t0
+
+        mc._decode = decode
+
+    def reset(self) -> None:
+        for k in self.spent:
+            self.spent[k] = 0.0
+
+
+def profile(eng, n_parallel: int, prompts: list, n: int) -> dict:
+    from mars_local import Scheduler
+
+    sch = Scheduler(eng, n_parallel)
+    try:
+        clock = DecodeClock(sch)
+        sch.generate_many(prompts[:n_parallel], max_tokens=8, temperature=0, ignore_eos=True)  # warm-up
+        clock.reset()
+        r0 = sch.rounds
+        t0 = time.perf_counter()
+        outs = sch.generate_many(prompts[n_parallel:2 * n_parallel], max_tokens=n, temperature=0, ignore_eos=True)
+        wall = time.perf_counter() - t0
+        rounds = max(1, sch.rounds - r0)
+    finally:
+        sch.close()
+    spent = dict(clock.spent, rest=max(0.0, wall - sum(clock.spent.values())))
+    tokens = sum(len(o.tokens) for o in outs)
+    return {"parallel": n_parallel, "rounds": rounds, "tokens": tokens, "seconds": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "ms_per_round": {k: 1e3 * v / rounds for k, v in spent.items()},
+            "wall_ms_per_round": 1e3 * wall / rounds}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("target")
+    ap.add_argument("-md", "--model-draft", default=None, help="a draft model (default: plain rounds)")
+    ap.add_argument("--parallel", default="1,4,16", help="sequences decoded together, a comma list (default 1,4,16)")
+    ap.add_argument("-n", type=int, default=48, help="tokens per sequence (default 48)")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-ngl", type=int, default=None, help="GPU layers (default: all on a GPU build)")
+    ap.add_argument("--fast-kernels", action="store_true", help="load the target as `--fast-kernels` does")
+    ap.add_argument("--json", default=None, metavar="OUT")
+    a = ap.parse_args(argv)
+    try:
+        ns = [int(x) for x in a.parallel.split(",")]
+        if not ns or min(ns) < 1 or a.n < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --parallel must be a comma list of integers >= 1 and -n >= 1, got {a.parallel!r}, {a.n}",
+              file=sys.stderr)
+        return 2
+    for p in (a.target, a.model_draft):
+        if p is not None and not Path(p).is_file():
+            print(f"error: no such model file: {p}", file=sys.stderr)
+            return 2
+
+    from mars_local import Engine
+    from mars_local.bench.prompts import load_prompts
+    from mars_local.llama.runtime import backend_info
+
+    drafter = "model" if a.model_draft else "none"
+    rows = []
+    with Engine(a.target, a.model_draft, drafter=drafter, n_ctx=1024, n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngl,
+                n_threads=a.threads, learned=False, exact_kernels=not a.fast_kernels) as eng:
+        every = [eng.chat_prompt(p.messages) for p in load_prompts()]
+        need = 2 * max(ns)
+        prompts = (every * (need // len(every) + 1))[:need]
+        print("| N | rounds | tok/s | ms a round | windows | prefill | draft | rest (Python) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for n_par in ns:
+            r = profile(eng, n_par, prompts, a.n)
+            rows.append(r)
+            ms = r["ms_per_round"]
+            print(f"| {n_par} | {r['rounds']} | {r['tokens_per_s']:.1f} | {r['wall_ms_per_round']:.2f} | "
+                  + " | ".join(f"{ms[k]:.2f}" for k in PARTS) + " |", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"backend": backend_info(), "target": a.target, "draft": a.model_draft,
+                                            "n": a.n, "fast_kernels": a.fast_kernels, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
