@@ -156,12 +156,13 @@ class Scheduler:
     def step(self, after_prefill=None) -> bool:
         """One round for every live sequence; False when there was nothing to do.
         ``after_prefill()``, when given, is called between the joining sequences' prefill
-        (whose first tokens may already be known) and the round: a server hands those
-        first tokens to their clients there, not a round later."""
+        (whose first tokens may already be known) and the round, and after each joining
+        sequence whose first token its prefill gave: a server hands that token to its client
+        there, not after the other prompts' prefill or a round later."""
         self._admit()
         if not self._live:
             return False
-        self._prefill()
+        self._prefill(after_prefill)
         if after_prefill is not None:
             after_prefill()
         decoding = [s for s in self._live.values() if s.ready and not s.done]
@@ -214,11 +215,13 @@ class Scheduler:
                 best, n = slot, m
         return best, n
 
-    def _prefill(self) -> None:
+    def _prefill(self, on_first=None) -> None:
         """Joining sequences' prompts, about n_batch rows per round in all, each chunk in a decode
-        of its own and cut where a lone run cuts it (every n_batch tokens from the start)."""
+        of its own and cut where a lone run cuts it (every n_batch tokens from the start).
+        Shortest prompt left first (the mean time to first token is least so; a lone run's
+        chunks whatever the order); ``on_first()`` after each first token a prefill gave."""
         nb = budget = self.mc.n_batch
-        for s in list(self._live.values()):
+        for s in sorted(self._live.values(), key=lambda s: len(s.pending)):
             rides, first = False, None
             while s.pending and not s.done and budget > 0:
                 self._share_prefix(s)
@@ -248,6 +251,8 @@ class Scheduler:
                 s.ready = True
                 if rides and first is not None:  # a round without a draft on the prompt's last row
                     self._guard(s, lambda: self._finish_round(s, EMPTY_DRAFT, first, 0.0, 0.0, from_prompt=True))
+                    if on_first is not None:  # out to its client before the next prompt's prefill
+                        on_first()
             if budget <= 0:
                 return
 

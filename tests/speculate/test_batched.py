@@ -299,6 +299,28 @@ def test_the_last_token_rides_only_where_every_row_stays_a_lone_row(n_rest, n_ba
     assert last_rides(n_rest, n_batch) is expect
 
 
+def test_a_short_prompt_joining_with_a_long_one_has_its_first_token_before_the_long_prefill(engines):
+    """Two prompts join at once: the shorter is prefilled first and its first token handed out
+    (after_prefill) before the longer one's prefill starts; both stay exact."""
+    eng = engines["ngram"]
+    long_p, short_p = PROMPTS[3] * 2, PROMPTS[0]
+    assert len(eng.tokenize(long_p)) > 3 * len(eng.tokenize(short_p))
+    want = [plain(eng, p, 6) for p in (long_p, short_p)]
+    sch = Scheduler(eng, 2)
+    try:
+        a = sch.submit(long_p, max_tokens=6, temperature=0, verify="strict", ignore_eos=True)  # slot 0
+        b = sch.submit(short_p, max_tokens=6, temperature=0, verify="strict", ignore_eos=True)
+        seen = []
+        sch.step(after_prefill=lambda: seen.append((len(a._seq.chunks), len(b._seq.chunks), a._seq.ready)))
+        assert seen[0] == (0, 1, False)  # b's first token out while a's prompt waits
+        assert seen[-1] == (0, 1, True)  # then a's prefill, before the round (its first token comes
+        # from the round: its last chunk is over 64 rows, where the last token cannot ride)
+        got = [[t for c in st for t in c.tokens] for st in (a, b)]
+    finally:
+        sch.close()
+    assert got == want
+
+
 def test_a_joining_sequence_has_its_first_token_before_the_round(engines):
     """The first token is sampled from the prompt's own last row, handed out between the prefill
     and the round (where a server delivers it: time to first token), and the rest stays exact."""
