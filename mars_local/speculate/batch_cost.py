@@ -115,28 +115,39 @@ class BatchCost:
         """Whether drafts were timed here (not a prior learned elsewhere)."""
         return self._draft[1] > 0.5
 
-    def costs(self, prior: AdaptiveK | None = None) -> list[float]:
+    def costs(self, prior: AdaptiveK | None = None, n_seqs: int | None = None) -> list[float]:
         """Seconds of a forward of R = 1..max_rows rows, never less than of fewer rows.  With
         ``prior`` (a controller that timed lone windows on this machine) its curve gives the
         shape, scaled to the batched forwards timed (their ratio to it, interpolated between the
         sizes timed); else a line through them.  (The running maximum keeps one slow sample of a
         size, all the plan knows of it early on, from making wider forwards look cheaper than it,
-        which would have the plan draft where every forward costs more.)"""
-        return list(np.maximum.accumulate(self._curve(prior)))
+        which would have the plan draft where every forward costs more.)  With ``split_rows``,
+        a round of more rows is several decodes of whole windows: ``n_seqs`` windows of R / n_seqs
+        rows each where R is a multiple of it (what the plan asks for), else full decodes."""
+        return list(np.maximum.accumulate(self._curve(prior, n_seqs)))
 
-    def _curve(self, prior: AdaptiveK | None) -> list[float]:
-        out = self._one_decode_curve(prior)
+    def _curve(self, prior: AdaptiveK | None, n_seqs: int | None = None) -> list[float]:
         cap = self.split_rows
         if cap is None or cap >= self.max_rows:
-            return out
+            return self._one_decode_curve(prior)
+        one = self._one_decode_curve(prior, upto=cap)  # (timed rounds of more rows were several decodes)
+        out = list(one)
         for r in range(cap + 1, self.max_rows + 1):
-            if self._time.get(r, (0.0, 0.0))[1] <= 0.05:  # not timed: whole decodes of ``cap`` rows + the rest
+            t, c = self._time.get(r, (0.0, 0.0))
+            if c > 0.05:  # timed as it ran (several decodes)
+                out[r - 1] = t / c
+            elif n_seqs and r % n_seqs == 0:  # n_seqs windows of w rows, as many whole ones a decode as fit
+                w = r // n_seqs
+                per = max(1, cap // w)
+                full, rest = divmod(n_seqs, per)
+                out[r - 1] = full * one[per * w - 1] + (one[rest * w - 1] if rest else 0.0)
+            else:  # whole decodes of ``cap`` rows and the rest
                 q, m = divmod(r, cap)
-                out[r - 1] = q * out[cap - 1] + (out[m - 1] if m else 0.0)
+                out[r - 1] = q * one[cap - 1] + (one[m - 1] if m else 0.0)
         return out
 
-    def _one_decode_curve(self, prior: AdaptiveK | None) -> list[float]:
-        seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05}
+    def _one_decode_curve(self, prior: AdaptiveK | None, upto: int | None = None) -> list[float]:
+        seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05 and (upto is None or r <= upto)}
         lone = prior.target_costs(self.max_rows) if prior is not None else None
         if lone is not None:
             if not seen:

@@ -218,15 +218,20 @@ class Scheduler:
     def _prefill(self, on_first=None) -> None:
         """Joining sequences' prompts, about n_batch rows per round in all, each chunk in a decode
         of its own and cut where a lone run cuts it (every n_batch tokens from the start).
-        Shortest prompt left first (the mean time to first token is least so; a lone run's
-        chunks whatever the order); ``on_first()`` after each first token a prefill gave."""
+        A prompt whose prefill has begun goes on first (its wait stays bounded), then the
+        shortest (the mean time to first token is least so; a lone run's chunks whatever the
+        order); a chunk that does not fit what is left of the budget waits for the next round.
+        ``on_first()`` after each first token a prefill gave."""
         nb = budget = self.mc.n_batch
-        for s in sorted(self._live.values(), key=lambda s: len(s.pending)):
+        order = sorted(self._live.values(), key=lambda s: (s.run.stats.n_prompt_evaluated == 0, len(s.pending)))
+        for s in order:
             rides, first = False, None
             while s.pending and not s.done and budget > 0:
                 self._share_prefix(s)
                 pos = s.view.n_past
                 cut = min((pos // nb + 1) * nb - pos, len(s.pending))  # a lone run's chunk ends there
+                if cut > budget and budget < nb:  # (the first chunk of a round goes whatever its size)
+                    break
                 chunk, s.pending = s.pending[:cut], s.pending[cut:]
                 budget -= len(chunk)
                 # the last chunk: the prompt's last token rides in it when that is exact
@@ -384,7 +389,7 @@ class Scheduler:
         lags = [self._lag(s) for s in seqs]
         remaining = [s.run.cfg.max_tokens - s.run.generated if not s.run.cfg.unlimited
                      else s.view.n_ctx - len(s.run.tokens) for s in seqs]
-        k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior), per_token, k_room, lags, remaining, row_s)
+        k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior, len(seqs)), per_token, k_room, lags, remaining, row_s)
         return k, k_draft, switch_s, self.cost.draft_measured and prior.measured() and self.calibrated
 
     def _lag(self, s: _Seq) -> int:
@@ -459,7 +464,7 @@ class Scheduler:
             keys = d.keys if d.keys is not None else [None] * len(d)
             accepts.append([ctrl.acceptance(key) for key in keys] if ctrl is not None else [1.0] * len(d))
         prior = next((s.run.ctrl for s in seqs if s.run.ctrl is not None), None)
-        return choose_window(accepts, self.cost.costs(prior), min(longest, k_room), k_min)
+        return choose_window(accepts, self.cost.costs(prior, len(seqs)), min(longest, k_room), k_min)
 
     def _finish_round(self, s: _Seq, d: Draft, z: np.ndarray, t_target: float, t_draft: float,
                       from_prompt: bool = False) -> None:

@@ -65,7 +65,7 @@ def test_a_round_chosen_to_draft_verifies_a_draft_even_where_the_cost_model_says
     sched = Scheduler(eng, 2)
     try:
         sched.calibrated = True
-        sched.cost.costs = lambda prior=None: [1.0 + 2.0 * (r - 1) for r in range(1, 65)]  # rows dear: plan k = 0
+        sched.cost.costs = lambda prior=None, n_seqs=None: [1.0 + 2.0 * (r - 1) for r in range(1, 65)]  # rows dear: k = 0
         sched.mode.choose = lambda planned, *_: True  # every round a trial of drafting
         ks = []
         step = sched.step
@@ -205,6 +205,13 @@ def test_a_forward_beyond_the_split_costs_its_whole_decodes():
     assert got[31] == pytest.approx(4.0) and got[35] == pytest.approx(4.0 + 1.2)  # 2 x 16, 2 x 16 + 4
     assert got[39] == pytest.approx(max(4.5, got[38]))  # timed (running maximum still holds)
     assert got[63] == pytest.approx(8.0)
+    line = lambda r: 1.2 + (r - 4) * 0.8 / 12  # noqa: E731 - one decode of r rows: the line through 4 and 16
+    # what the plan asks for: n windows of w rows, whole windows a decode (decode_windows packs so)
+    assert c.costs(n_seqs=4)[35] == pytest.approx(4 * line(9))  # 4 windows of 9: one a decode
+    assert c.costs(n_seqs=3)[26] == pytest.approx(3 * line(9))
+    assert c.costs(n_seqs=5)[29] == pytest.approx(2 * line(12) + line(6))  # 2 + 2 + 1 windows of 6
+    assert c.costs(n_seqs=8)[31] == pytest.approx(4.0)  # 8 windows of 4: two full decodes of 16
+    assert c.costs(n_seqs=8)[39] == pytest.approx(max(4.5, c.costs(n_seqs=8)[38]))  # timed: as it ran
     plain = BatchCost(max_rows=64)
     for rows, t in ((1, 1.0), (4, 1.2), (16, 2.0)):
         plain.observe(rows, 0.0)
@@ -319,6 +326,51 @@ def test_a_short_prompt_joining_with_a_long_one_has_its_first_token_before_the_l
     finally:
         sch.close()
     assert got == want
+
+
+def test_prefill_takes_about_n_batch_rows_a_round_and_a_begun_prompt_goes_on_first(tiny_target):
+    """n_batch 64, prompts of ~20, ~30 and ~150 tokens joining at once: the two short ones are
+    prefilled in the first round and the long one's first chunk (64 rows, more than is left)
+    waits; from then on the begun long prompt goes first; no round prefills more than 64 rows
+    (one lone-run chunk may fill a round alone); every output equals plain greedy alone."""
+    with Engine(tiny_target, drafter="none", n_ctx=512, n_batch=64, n_threads=2, learned=False) as eng:
+        prompts = [(eng.tokenize(PROMPTS[3]) * 5)[:150], eng.tokenize(PROMPTS[1])[:20], eng.tokenize(PROMPTS[2])[:30]]
+        want = [plain(eng, p, 4) for p in prompts]
+        sch = Scheduler(eng, 3)
+        try:
+            streams = [sch.submit(p, max_tokens=4, temperature=0, ignore_eos=True) for p in prompts]
+            per_round, before = [], 0
+            while any(not st._seq.done for st in streams):
+                sch.step()
+                now = sum(st.stats.n_prompt_evaluated for st in streams)
+                per_round.append(now - before)
+                before = now
+            got = [[t for c in st for t in c.tokens] for st in streams]
+            evaluated = [st.stats.n_prompt_evaluated for st in streams]
+        finally:
+            sch.close()
+    assert got == want
+    assert per_round[0] == evaluated[1] + evaluated[2] and all(r <= 64 for r in per_round), per_round
+    assert sum(per_round) == sum(evaluated)
+
+
+def test_a_short_prompt_joining_later_does_not_hold_back_a_begun_long_one(tiny_target):
+    """A long prompt whose prefill has begun keeps its chunk a round when a short one joins
+    (shortest-first alone would let a stream of short joiners starve it)."""
+    with Engine(tiny_target, drafter="none", n_ctx=512, n_batch=64, n_threads=2, learned=False) as eng:
+        long_p, short_p = (eng.tokenize(PROMPTS[3]) * 5)[:200], eng.tokenize(PROMPTS[1])[:20]
+        sch = Scheduler(eng, 2)
+        try:
+            a = sch.submit(long_p, max_tokens=2, temperature=0, ignore_eos=True)
+            sch.step()
+            assert a.stats.n_prompt_evaluated == 64
+            b = sch.submit(short_p, max_tokens=2, temperature=0, ignore_eos=True)
+            sch.step()
+            assert (a.stats.n_prompt_evaluated, b.stats.n_prompt_evaluated) == (128, 0)
+            outs = [[t for c in st for t in c.tokens] for st in (a, b)]
+        finally:
+            sch.close()
+        assert outs == [plain(eng, long_p, 2), plain(eng, short_p, 2)]
 
 
 def test_a_joining_sequence_has_its_first_token_before_the_round(engines):
