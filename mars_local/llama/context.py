@@ -41,7 +41,7 @@ def last_rides(n_rest: int, n_batch: int, inv: int = MAX_INVARIANT_ROWS) -> bool
     of prefill, for the price of one prefill row (no forward of its own)."""
     if n_rest <= 0:
         return False
-    return last_chunk(n_rest, n_batch) + 1 <= inv
+    return last_chunk(n_rest, n_batch) + 1 <= min(inv, n_batch)  # (one decode: at most n_batch tokens)
 
 
 def last_chunk(n_rest: int, n_batch: int) -> int:

@@ -121,6 +121,9 @@ class MultiContext(OwnsContext):
         self.mem = C.llama_get_memory(self._ctx)
         self.n_vocab = model.n_vocab
         self.invariant_rows = model.invariant_rows  # rows one exact decode may carry (Model)
+        # rows one decode of windows carries at most: that bound, and llama.cpp's n_batch (a
+        # decode of more tokens than n_batch aborts the process)
+        self.max_rows = min(self.invariant_rows, self.n_batch)
         rows = max(self.n_batch, MAX_INVARIANT_ROWS)
         self._batch = C.llama_batch_init(rows, n_embd_in, 1)
         b = self._batch
@@ -249,12 +252,12 @@ class MultiContext(OwnsContext):
         ``last_only``: its last row only, shape (1, V)).
 
         Windows go in sequence order, ``max_rows`` rows per decode at most (whole
-        windows; a window longer than that is refused; default: ``invariant_rows``, the
-        model's exact bound, so that a batch of more rows on a GPU takes several decodes).
+        windows; a window longer than that is refused; default: ``max_rows``, the model's
+        exact bound or n_batch if less, so that a batch of more rows on a GPU takes several decodes).
         For one micro-batch per decode give windows of equal length from consecutive sequences.
         """
         if max_rows is None:
-            max_rows = self.invariant_rows
+            max_rows = self.max_rows
         order = sorted(range(len(windows)), key=lambda j: windows[j][0])
         out: list[np.ndarray | None] = [None] * len(windows)
         group: list[int] = []

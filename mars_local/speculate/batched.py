@@ -88,8 +88,8 @@ class Scheduler:
             self.dmc = open_mtp(self.mc)
         elif engine.drafter_kind == "eagle3":  # the EAGLE-3 head, one sequence per target sequence
             self.dmc = open_eagle3(self.mc, engine.draft_model)
-        inv = self.mc.invariant_rows
-        self.cost = BatchCost(split_rows=inv if inv < MAX_INVARIANT_ROWS else None)
+        cap = self.mc.max_rows  # rows one decode of windows carries (the exact bound, n_batch)
+        self.cost = BatchCost(split_rows=cap if cap < MAX_INVARIANT_ROWS else None)
         # the patched libllama's verify kernel when there is one (same results as numpy), chosen once
         self._verify_window = native.verify if native.available() else verify
         self.mode = DraftOrNot()  # a draft model's rounds: draft or not, from the rates delivered
@@ -284,7 +284,7 @@ class Scheduler:
         """Time forwards of a few row counts once, on top of a live sequence's cells
         (rolled back after each): the round's choice needs the cost curve."""
         base, last, held = s.view.n_past, s.run.tokens[-1], list(s.view.tokens)
-        for rows in (r for r in CALIBRATION_ROWS if r <= self.mc.invariant_rows):
+        for rows in (r for r in CALIBRATION_ROWS if r <= self.mc.max_rows):
             if base + rows >= s.view.n_ctx:
                 break
             for _ in range(2):  # the first forward of a new shape builds its graph
@@ -337,7 +337,7 @@ class Scheduler:
             self.calibrated = True
         # every window within the model's exact bound; a round of more rows than that takes
         # several decodes (a GPU's 16), the plan knowing their cost (BatchCost.split_rows)
-        k_room = max(0, min(MAX_INVARIANT_ROWS // len(seqs), self.mc.invariant_rows) - 1)
+        k_room = max(0, min(MAX_INVARIANT_ROWS // len(seqs), self.mc.max_rows) - 1)
         costly = [s for s in seqs if not s.run.drafter.cheap and s.run.ctrl is not None]
         drafting = None
         if costly and k_room > 0:  # plan before a draft model drafts: pooled acceptance, draft cost per token
@@ -502,7 +502,7 @@ class Scheduler:
     def _k_limit(self) -> int:
         """The longest draft: windows within the invariant bound, and (a recurrent target) whose
         rejection its state can roll back (llama/recurrent.py)."""
-        return min(self.mc.invariant_rows - 1, self.eng.target.rollback_depth or MAX_INVARIANT_ROWS)
+        return min(self.mc.max_rows - 1, self.eng.target.rollback_depth or MAX_INVARIANT_ROWS)
 
     def _draft_cap(self, s: _Seq) -> int | None:
         cap = s.run.draft_cap(s.view, self._k_limit)

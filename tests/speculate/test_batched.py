@@ -299,6 +299,8 @@ def test_exact_reuse_keeps_only_rows_computed_by_the_same_kernels(cached, old_pr
     (522, 512, True),   # a whole chunk of 512, then a last chunk of 10
     (1024, 512, False),  # the last chunk is a whole one of 512
     (127, 64, True),    # chunks of 64 and 63
+    (8, 8, False),      # 8 + 1 tokens would be one decode of more than n_batch (llama.cpp aborts)
+    (15, 8, True),      # chunks of 8 and 7, the last token riding in the second
     (128, 64, False),
 ])
 def test_the_last_token_rides_only_where_every_row_stays_a_lone_row(n_rest, n_batch, expect):
@@ -371,6 +373,23 @@ def test_a_short_prompt_joining_later_does_not_hold_back_a_begun_long_one(tiny_t
         finally:
             sch.close()
         assert outs == [plain(eng, long_p, 2), plain(eng, short_p, 2)]
+
+
+def test_rounds_of_more_rows_than_n_batch_are_split_not_aborted(tiny_target, tiny_draft):
+    """n_batch 8 (the Python API's), 4 sequences drafting: a round of 4 windows of up to 8 rows
+    is more than one llama_decode may take (llama.cpp aborts the process on it): it is split
+    into decodes of at most 8 rows, prompts' last tokens ride only within 8, output exact."""
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=512, n_batch=8, n_threads=2, learned=False) as eng:
+        want = [plain(eng, p, 12) for p in PROMPTS[:4]]
+        sch = Scheduler(eng, 4)
+        assert sch.mc.max_rows == 8 and sch._k_limit == 7 and sch.cost.split_rows == 8
+        sch.mode.choose = lambda planned, *_: True  # every round drafts
+        try:
+            outs = sch.generate_many(PROMPTS[:4], max_tokens=12, temperature=0, ignore_eos=True, verify="strict")
+        finally:
+            sch.close()
+    assert [o.tokens for o in outs] == want
+    assert sum(o.stats.n_drafted for o in outs) > 0
 
 
 def test_a_joining_sequence_has_its_first_token_before_the_round(engines):
