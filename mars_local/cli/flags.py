@@ -359,7 +359,7 @@ class GenOptions:
             target = getattr(eng, "target", None)
             why = (f"; with layers on a GPU strict decoding keeps a verify window within "
                    f"{target.invariant_rows} rows, which --fast-kernels lifts"
-                   if getattr(target, "offloaded", False) and getattr(target, "invariant_rows", 64) <= most + 1
+                   if getattr(target, "offloaded", False) and getattr(target, "invariant_rows", None) == most + 1
                    else "")
             warn(f"{flag_as_typed('draft_max')} {self.draft_max}: this target verifies at most {most} draft "
                  f"tokens a round here{why}")

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.defaults import DEFAULTS, SETTINGS, check
+from ..core.defaults import DEFAULTS, check
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
 from .backend import C
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
 from .recurrent import Rollback, drop_state, truncate_state
-from .runtime import Model, default_threads
+from .runtime import MAX_INVARIANT_ROWS, Model, default_threads
 
 __all__ = ["Context", "OwnsContext", "context_params", "create_context", "kv_cache_bytes", "available_memory", "KV_TYPES",
            "MAX_INVARIANT_ROWS", "last_rides"]
@@ -28,9 +28,6 @@ KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
 
-# rows one decode may carry with every row computed as in a 1-row decode (patches/0002, 0003): a
-# verify window's bound, and the bound under which a prompt's last token rides in its last chunk
-MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
 
 
 def last_rides(n_rest: int, n_batch: int, inv: int = MAX_INVARIANT_ROWS) -> bool:

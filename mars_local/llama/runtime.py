@@ -22,7 +22,11 @@ from .gguf_file import check_gguf_file
 from .recurrent import ROLLBACK_DEPTH, supports_rollback
 
 __all__ = ["Model", "check_vocab_compatible", "backend_info", "build_fingerprint", "invariant_rows",
-           "GPU_INVARIANT_ROWS"]
+           "GPU_INVARIANT_ROWS", "MAX_INVARIANT_ROWS"]
+
+# rows one decode may carry with every row computed as in a 1-row decode (patches/0002, 0003): a
+# verify window's bound, and the bound under which a prompt's last token rides in its last chunk
+MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
 
 # Rows one forward of offloaded layers may carry with every row computed as in a 1-row forward,
 # measured on CUDA (an H200, BENCHMARKS.md "On a GPU"): lone windows of 2-17 rows were bit-identical
@@ -37,8 +41,7 @@ def invariant_rows(offloaded: bool, exact_kernels: bool) -> int:
     (pure): on the CPU our patched kernels' bound (patches/0002, 0003: 64); with layers on a
     GPU, exact decoding keeps its forwards within GPU_INVARIANT_ROWS (a batch of more rows is
     decoded in several forwards), fast kernels (``exact_kernels`` off) do not."""
-    cpu = SETTINGS["draft_max"].hi + 1
-    return GPU_INVARIANT_ROWS if offloaded and exact_kernels else cpu
+    return GPU_INVARIANT_ROWS if offloaded and exact_kernels else MAX_INVARIANT_ROWS
 
 
 def gpu_offload_supported() -> bool:

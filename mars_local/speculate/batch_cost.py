@@ -83,8 +83,9 @@ class BatchCost:
 
     max_rows: int = MAX_ROWS
     decay: float = 0.95
-    # the most rows one decode carries (a GPU's exact bound: llama.runtime.GPU_INVARIANT_ROWS):
-    # a forward of more rows is that many decodes, and costs their sum where not timed itself
+    # the most rows one decode carries (llama.streams.MultiContext.max_rows: 16 on a GPU, or
+    # n_batch if less): a forward of more rows is several decodes, and costs their sum where
+    # not timed itself; None or max_rows and above: one decode
     split_rows: int | None = None
     _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
     _warm: set = field(default_factory=set)

@@ -88,8 +88,7 @@ class Scheduler:
             self.dmc = open_mtp(self.mc)
         elif engine.drafter_kind == "eagle3":  # the EAGLE-3 head, one sequence per target sequence
             self.dmc = open_eagle3(self.mc, engine.draft_model)
-        cap = self.mc.max_rows  # rows one decode of windows carries (the exact bound, n_batch)
-        self.cost = BatchCost(split_rows=cap if cap < MAX_INVARIANT_ROWS else None)
+        self.cost = BatchCost(split_rows=self.mc.max_rows)  # (the exact bound, n_batch: one decode's rows)
         # the patched libllama's verify kernel when there is one (same results as numpy), chosen once
         self._verify_window = native.verify if native.available() else verify
         self.mode = DraftOrNot()  # a draft model's rounds: draft or not, from the rates delivered
