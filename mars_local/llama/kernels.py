@@ -2,7 +2,7 @@
 
 Strict greedy speculative output equals plain greedy output only if a row computed in a verify
 window of k+1 rows is bit-identical to the same row computed alone (a plain decoding step).  Stock
-llama.cpp sends those two through different kernels; our patches (patches/0002, 0003, 0004) choose, per
+llama.cpp sends those two through different kernels; our patches (patches/0002-0005) choose, per
 weight type, kernels whose summation order does not depend on the batch size.  What each choice
 costs against stock llama.cpp is measured by ``benchmarks/kernel_costs.py`` (BENCHMARKS.md, one
 table per CPU).  This module only *describes* the choice for a build, from llama.cpp's system-info
@@ -44,5 +44,6 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
            if "AVX2" in feats or "AVX512" in feats else {}),
         "K-quants, Q4_1, Q5_1, other IQ": "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
         "repacked weights": "used for a quantized target only where its first load measured them exact on "
-                            "this CPU and build (learned state below; e.g. Q4_0 on a Zen 4, not Q4_K)",
+                            "this CPU and build (learned state below; e.g. Q4_0 on a Zen 4, and Q4_K: "
+                            "patches/0005 makes its 1-row kernel sum as its batch kernel does)",
     }

@@ -126,6 +126,23 @@ def test_verify_windows_are_batch_invariant(which, request):
     assert {w: d for w, (d, _) in res.items()} == {w: 0 for w in res}, res
 
 
+def test_repacked_q4_k_windows_are_batch_invariant_on_x86(smollm2_q4km):
+    """patches/0005: with llama.cpp's repacked weights (what the load-time probe then picks for a
+    Q4_K target), a row in a window of 4+ rows (the repacked gemm) is bit-identical to the row
+    alone (the gemv); stock's two summed in different orders.  tests/llama/test_repack_kernels.py
+    checks the kernels themselves."""
+    import platform
+
+    from mars_local.llama.invariance import batch_invariance
+    from mars_local.llama.kernels import cpu_features
+    from mars_local.llama.runtime import backend_info
+
+    if platform.machine().lower() not in {"x86_64", "amd64"} or "AVX2" not in cpu_features(backend_info()["system_info"]):
+        pytest.skip("patches/0005 changes the x86 AVX2/AVX-512 repacked kernels only")
+    res = batch_invariance(smollm2_q4km, windows=(2, 4, 5, 8, 9, 17), n=34, exact_kernels=False, n_threads=2)
+    assert {w: d for w, (d, _) in res.items()} == {w: 0 for w in res}, res
+
+
 def test_k_quant_long_windows_strict_equals_plain(smollm2_q4km, smollm2):
     """Windows of 8+ rows (k >= 7) on a K-quant target: stock llama.cpp switches
     to another kernel there; strict output still equals plain output."""

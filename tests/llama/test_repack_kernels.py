@@ -1,0 +1,55 @@
+"""patches/0005: the repacked Q4_K kernels of an x86 build are batch-invariant.
+
+llama.cpp repacks Q4_K weights into interleaved blocks with a 1-row kernel (gemv: a decoding step)
+and a 4-rows-at-a-time kernel (gemm: a verify window's rows).  Stock's two summed in different float
+orders, and quantized a batch's activations with another sign rule, so a verify window's rows
+differed from plain decoding's in the last bits and mars-local had to load Q4_K targets without
+repacking (its slower, exact kernels).  ``repack_q4k_check.c`` calls the installed libggml-cpu's
+kernels directly on random blocks: a row alone and in batches of 4-32 rows must agree bit for bit,
+rows holding both +max and -max included.  (Whether a whole model is loaded repacked stays a
+load-time measurement: speculate/repack.py and test_smollm2.py.)
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mars_local.llama.kernels import cpu_features
+from mars_local.llama.runtime import backend_info
+
+HERE = Path(__file__).resolve().parent
+
+
+def _x86_avx2() -> bool:
+    return platform.machine().lower() in {"x86_64", "amd64"} and "AVX2" in cpu_features(backend_info()["system_info"])
+
+
+pytestmark = pytest.mark.skipif(not _x86_avx2(), reason="patches/0005 changes the x86 AVX2/AVX-512 repacked kernels only")
+
+
+@pytest.fixture(scope="module")
+def checker(tmp_path_factory) -> Path:
+    import llama_cpp
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc, "a C compiler (the set-up contract's gcc) builds the kernel check"
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    exe = tmp_path_factory.mktemp("repack") / "repack_q4k_check"
+    subprocess.run([cc, "-O2", "-o", str(exe), str(HERE / "repack_q4k_check.c"), f"-L{lib}", f"-Wl,-rpath,{lib}",
+                    "-lggml-cpu", "-lggml-base", "-lm"], check=True, capture_output=True, text=True)
+    return exe
+
+
+@pytest.mark.parametrize("rows", [4, 8, 16, 20, 32])
+@pytest.mark.parametrize("ties", [0, 1])
+def test_a_row_in_a_repacked_q4_k_batch_equals_the_row_alone(checker, rows, ties):
+    for seed, cols in ((1, 8), (2, 16), (3, 24)):
+        proc = subprocess.run([str(checker), str(seed), str(rows), str(cols), str(ties)], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.startswith("ok:"), proc.stdout
+
