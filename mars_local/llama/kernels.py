@@ -2,7 +2,7 @@
 
 Strict greedy speculative output equals plain greedy output only if a row computed in a verify
 window of k+1 rows is bit-identical to the same row computed alone (a plain decoding step).  Stock
-llama.cpp sends those two through different kernels; our patches (patches/0002-0005) choose, per
+llama.cpp sends those two through different kernels; our patches (patches/0002-0006) choose, per
 weight type, kernels whose summation order does not depend on the batch size.  What each choice
 costs against stock llama.cpp is measured by ``benchmarks/kernel_costs.py`` (BENCHMARKS.md, one
 table per CPU).  This module only *describes* the choice for a build, from llama.cpp's system-info
@@ -39,8 +39,9 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
                           "in stock's tiles, the same sum per element)",
         "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
                                     "the tile)",
-        **({"Q4_K, Q5_K": "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight row "
-                          "(patches/0004: each result summed as the dot kernel sums it alone), tiled above"}
+        **({"Q4_K, Q5_K, Q6_K": "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight "
+                                "row (patches/0004, 0006: each result summed as the dot kernel sums it alone), "
+                                "tiled above"}
            if "AVX2" in feats or "AVX512" in feats else {}),
         "K-quants, Q4_1, Q5_1, other IQ": "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
         "repacked weights": "used for a quantized target only where its first load measured them exact on "

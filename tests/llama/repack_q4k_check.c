@@ -1,6 +1,6 @@
 /* patches/0005: the repacked q4_K kernels of an x86 build give a row the same bits alone (gemv: a
  * decoding step) and in a batch of 4+ rows (gemm: a verify window), and the 4-row activation
- * quantization equals the 1-row one.  Built and run by tests/llama/test_repack_kernels.py against
+ * quantization equals the 1-row one.  Built and run by tests/llama/test_c_kernels.py against
  * the installed llama-cpp-python's libggml-cpu; prints what differs, exit status 1 if anything does.
  *
  *   repack_q4k_check SEED ROWS COLS TIES   (ROWS a multiple of 4, COLS of 8; TIES 1: rows holding

@@ -107,18 +107,19 @@ smollm2_q50 = _requantized("smollm2_q50", "Q5_0")
 smollm2_iq4nl = _requantized("smollm2_iq4nl", "IQ4_NL")
 smollm2_bf16 = _requantized("smollm2_bf16", "BF16")
 smollm2_q5km = _requantized("smollm2_q5km", "Q5_K_M")
+smollm2_q6k = _requantized("smollm2_q6k", "Q6_K")  # Q6_K where rows are 256-multiples (ffn_down), else a fallback
 
 
 @pytest.mark.parametrize("which", ["smollm2", "smollm2_f16", "smollm2_bf16", "smollm2_q8", "smollm2_q40",
-                                   "smollm2_q50", "smollm2_iq4nl", "smollm2_q4km", "smollm2_q5km"])
+                                   "smollm2_q50", "smollm2_iq4nl", "smollm2_q4km", "smollm2_q5km", "smollm2_q6k"])
 def test_verify_windows_are_batch_invariant(which, request):
     """The kernel-level condition for lossless speculation: a row computed in a
     window of w rows (up to 17, across llama.cpp's 8-row switch to its tiled
     K-quant kernel) is bit-identical to the same row computed alone.  F16/BF16
     and Q8_0/Q4_0/Q5_0/IQ4_NL go through llamafile's tinyBLAS at every size (one row in
     another tile shape than a window's: patches/0002); Q4_K_M mixes Q5_0/Q8_0
-    (tinyBLAS) with Q4_K/Q6_K (vec_dot up to 64 rows; Q4_K and Q5_K windows in groups of up to
-    eight rows per weight row on x86, patches/0004: windows of 2, 3, 4, 7 and 8 rows are one group, 9 and
+    (tinyBLAS) with Q4_K/Q6_K (vec_dot up to 64 rows; Q4_K, Q5_K and Q6_K windows in groups of up to
+    eight rows per weight row on x86, patches/0004 and 0006: windows of 2, 3, 4, 7 and 8 rows are one group, 9 and
     17 end in a lone row, which takes the dot kernel)."""
     from mars_local.llama.invariance import batch_invariance
 
@@ -129,7 +130,7 @@ def test_verify_windows_are_batch_invariant(which, request):
 def test_repacked_q4_k_windows_are_batch_invariant_on_x86(smollm2_q4km):
     """patches/0005: with llama.cpp's repacked weights (what the load-time probe then picks for a
     Q4_K target), a row in a window of 4+ rows (the repacked gemm) is bit-identical to the row
-    alone (the gemv); stock's two summed in different orders.  tests/llama/test_repack_kernels.py
+    alone (the gemv); stock's two summed in different orders.  tests/llama/test_c_kernels.py
     checks the kernels themselves."""
     import platform
 

@@ -1,4 +1,6 @@
-"""patches/0005: the repacked Q4_K kernels of an x86 build are batch-invariant.
+"""The x86 kernels our patches add or change, called directly from C on random blocks.
+
+patches/0005: the repacked Q4_K kernels of an x86 build are batch-invariant.
 
 llama.cpp repacks Q4_K weights into interleaved blocks with a 1-row kernel (gemv: a decoding step)
 and a 4-rows-at-a-time kernel (gemm: a verify window's rows).  Stock's two summed in different float
@@ -8,6 +10,9 @@ repacking (its slower, exact kernels).  ``repack_q4k_check.c`` calls the install
 kernels directly on random blocks: a row alone and in batches of 4-32 rows must agree bit for bit,
 rows holding both +max and -max included.  (Whether a whole model is loaded repacked stays a
 load-time measurement: speculate/repack.py and test_smollm2.py.)
+
+patches/0006: the q6_K window kernel (eight columns per weight row) gives every column what the
+1-row dot kernel gives it alone (``q6k_cols_check.c``).
 """
 
 from __future__ import annotations
@@ -29,20 +34,25 @@ def _x86_avx2() -> bool:
     return platform.machine().lower() in {"x86_64", "amd64"} and "AVX2" in cpu_features(backend_info()["system_info"])
 
 
-pytestmark = pytest.mark.skipif(not _x86_avx2(), reason="patches/0005 changes the x86 AVX2/AVX-512 repacked kernels only")
+pytestmark = pytest.mark.skipif(not _x86_avx2(), reason="patches/0005 and 0006 change x86 AVX2/AVX-512 kernels only")
 
 
-@pytest.fixture(scope="module")
-def checker(tmp_path_factory) -> Path:
+def _build(name: str, out: Path) -> Path:
+    """``name``.c built against the installed llama-cpp-python's ggml libraries."""
     import llama_cpp
 
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc, "a C compiler (the set-up contract's gcc) builds the kernel check"
     lib = Path(llama_cpp.__file__).parent / "lib"
-    exe = tmp_path_factory.mktemp("repack") / "repack_q4k_check"
-    subprocess.run([cc, "-O2", "-o", str(exe), str(HERE / "repack_q4k_check.c"), f"-L{lib}", f"-Wl,-rpath,{lib}",
+    exe = out / name
+    subprocess.run([cc, "-O2", "-o", str(exe), str(HERE / f"{name}.c"), f"-L{lib}", f"-Wl,-rpath,{lib}",
                     "-lggml-cpu", "-lggml-base", "-lm"], check=True, capture_output=True, text=True)
     return exe
+
+
+@pytest.fixture(scope="module")
+def checker(tmp_path_factory) -> Path:
+    return _build("repack_q4k_check", tmp_path_factory.mktemp("repack"))
 
 
 @pytest.mark.parametrize("rows", [4, 8, 16, 20, 32])
@@ -53,3 +63,9 @@ def test_a_row_in_a_repacked_q4_k_batch_equals_the_row_alone(checker, rows, ties
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.startswith("ok:"), proc.stdout
 
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_q6_k_window_column_equals_the_column_alone(tmp_path, seed):
+    proc = subprocess.run([str(_build("q6k_cols_check", tmp_path)), str(seed)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok:"), proc.stdout
