@@ -3,7 +3,8 @@ subprocess (``mars``), a fresh interpreter (``run_python``), the checks of a ref
 (``one_error_line``, ``stderr_lines``, ``no_traceback``) and the server app over the scripted
 FakeEngine (``server_client``, ``api_error``).  ``tests/`` is on sys.path (conftest.py lives
 there), so ``from helpers import invoke, mars`` works from every test folder.  Nothing here
-imports llama_cpp (the pure tests use this module too)."""
+imports llama_cpp at import time (the pure tests use this module too; ``x86_avx2_build`` does
+when called)."""
 
 from __future__ import annotations
 
@@ -118,3 +119,14 @@ def benchmark_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def x86_avx2_build() -> bool:
+    """Whether the installed llama.cpp is an x86 build with AVX2 (AVX-512 builds report it too):
+    the builds that compile the x86 kernels of patches/0004-0006."""
+    import platform
+
+    from mars_local.llama.kernels import cpu_features
+    from mars_local.llama.runtime import backend_info
+
+    return platform.machine().lower() in {"x86_64", "amd64"} and "AVX2" in cpu_features(backend_info()["system_info"])

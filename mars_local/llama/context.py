@@ -28,8 +28,6 @@ KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _KV_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32}
 
 
-
-
 def last_rides(n_rest: int, n_batch: int, inv: int = MAX_INVARIANT_ROWS) -> bool:
     """Whether a prompt's last token may be evaluated in the decode of the prompt's last chunk
     (pure): ``n_rest`` tokens are evaluated in chunks of ``n_batch``, and the last chunk plus

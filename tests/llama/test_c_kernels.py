@@ -17,24 +17,16 @@ patches/0006: the q6_K window kernel (eight columns per weight row) gives every 
 
 from __future__ import annotations
 
-import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-
-from mars_local.llama.kernels import cpu_features
-from mars_local.llama.runtime import backend_info
+from helpers import x86_avx2_build
 
 HERE = Path(__file__).resolve().parent
 
-
-def _x86_avx2() -> bool:
-    return platform.machine().lower() in {"x86_64", "amd64"} and "AVX2" in cpu_features(backend_info()["system_info"])
-
-
-pytestmark = pytest.mark.skipif(not _x86_avx2(), reason="patches/0005 and 0006 change x86 AVX2/AVX-512 kernels only")
+pytestmark = pytest.mark.skipif(not x86_avx2_build(), reason="patches/0005 and 0006 change x86 AVX2/AVX-512 kernels only")
 
 
 def _build(name: str, out: Path) -> Path:

@@ -132,13 +132,11 @@ def test_repacked_q4_k_windows_are_batch_invariant_on_x86(smollm2_q4km):
     Q4_K target), a row in a window of 4+ rows (the repacked gemm) is bit-identical to the row
     alone (the gemv); stock's two summed in different orders.  tests/llama/test_c_kernels.py
     checks the kernels themselves."""
-    import platform
+    from helpers import x86_avx2_build
 
     from mars_local.llama.invariance import batch_invariance
-    from mars_local.llama.kernels import cpu_features
-    from mars_local.llama.runtime import backend_info
 
-    if platform.machine().lower() not in {"x86_64", "amd64"} or "AVX2" not in cpu_features(backend_info()["system_info"]):
+    if not x86_avx2_build():
         pytest.skip("patches/0005 changes the x86 AVX2/AVX-512 repacked kernels only")
     res = batch_invariance(smollm2_q4km, windows=(2, 4, 5, 8, 9, 17), n=34, exact_kernels=False, n_threads=2)
     assert {w: d for w, (d, _) in res.items()} == {w: 0 for w in res}, res
