@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Optional
 
 import typer
@@ -120,8 +121,11 @@ def doctor_report() -> dict:
         rows, registry = [], {"sources": None, "problem": " ".join(str(exc).split())}
     from ..speculate.learned import default_store
 
+    from ..llama.runtime import build_fingerprint
+
     store = default_store()
     entries = store.entries()
+    build = build_fingerprint()
     return {
         "mars_local": __version__,
         "llama_cpp_python": info["llama_cpp_python"],
@@ -142,8 +146,18 @@ def doctor_report() -> dict:
             "path": str(store.path),
             "problem": store.problem,
             "entries": {k: _learned_summary(v) for k, v in entries.items()},
+            # what a forward costs and whether repacking is exact were measured per llama.cpp build
+            # (llama.runtime.build_fingerprint: every reinstall is a new one); other builds' entries stay
+            # in the file (another environment may share it) but this one never reads them
+            "build": build,
+            "other_builds": [k for k in entries if _learned_build(k) not in (None, build)],
         },
     }
+
+
+def _learned_build(key: str) -> str | None:
+    """The llama.cpp build a learned-state key was measured with (its bare 12-hex field), if any."""
+    return next((p for p in key.split("|")[1:] if re.fullmatch(r"[0-9a-f]{12}", p)), None)
 
 
 def _learned_summary(v: dict) -> str:
@@ -243,6 +257,7 @@ def _doctor_lines(rep: dict, servers) -> list[str]:
         reg_line = "ok (" + ", ".join(reg["sources"]) + ")"
         models_line = ", ".join(avail) if avail else "none (mars pull NAME)"
     learned = rep["learned"]
+    other = set(learned.get("other_builds", ()))
     lines = [
         f"mars-local:           {rep['mars_local']}",
         f"llama-cpp-python:     {rep['llama_cpp_python']}",
@@ -260,12 +275,13 @@ def _doctor_lines(rep: dict, servers) -> list[str]:
         *(f"  {types}: {path}" for types, path in rep["exact_kernels"].items()),
         f"learned state:        {len(learned['entries'])} entr{'y' if len(learned['entries']) == 1 else 'ies'}"
         f" in {learned['path']}" + (f" ({learned['problem']})" if learned["problem"] else "")
+        + (f", {len(other)} of them from other llama.cpp builds" if other else "")
         + " (mars doctor --reset-learned forgets it)",
     ]
-    for k, v in learned["entries"].items():
+    for k, v in sorted(learned["entries"].items(), key=lambda kv: kv[0] in other):  # this build's first
         kind, *parts = k.split("|")
-        where = " · ".join(p.split("@")[0] for p in parts if len(p) != 12 or "@" in p)  # names, not hashes
-        lines.append(f"  {kind:<7} {where}: {v}")
+        where = " · ".join(p.split("@")[0] for p in parts if _learned_build("|" + p) is None)  # names, not hashes
+        lines.append(f"  {kind:<7} {where}: {v}" + (" (another llama.cpp build: not used by this one)" if k in other else ""))
     for srv in servers or ():
         if "error" in srv:
             lines.append(f"RPC server {srv['endpoint']}: FAILED (see below)")

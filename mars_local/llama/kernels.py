@@ -34,6 +34,7 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     if not (x86 and "LLAMAFILE" in feats):
         return {"all": "ggml's dot kernels for every batch of up to 64 rows (exact; a window of k+1 rows "
                        "costs about k+1 single rows), tiled kernels above (prompts)"}
+    cols = "AVX2" in feats or "AVX512" in feats  # the K-quant column kernels (patches/0004, 0006) are AVX2 code
     return {
         "F16, BF16, F32": "tinyBLAS at every batch size (one row in 8x1 tiles; windows and prompts "
                           "in stock's tiles, the same sum per element)",
@@ -42,8 +43,8 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
         **({"Q4_K, Q5_K, Q6_K": "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight "
                                 "row (patches/0004, 0006: each result summed as the dot kernel sums it alone), "
                                 "tiled above"}
-           if "AVX2" in feats or "AVX512" in feats else {}),
-        "K-quants, Q4_1, Q5_1, other IQ": "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
+           if cols else {}),
+        ("Q2_K, Q3_K, Q4_1, Q5_1, other IQ" if cols else "K-quants, Q4_1, Q5_1, other IQ"): "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
         "repacked weights": "used for a quantized target only where its first load measured them exact on "
                             "this CPU and build (learned state below; e.g. Q4_0 on a Zen 4, and Q4_K: "
                             "patches/0005 makes its 1-row kernel sum as its batch kernel does)",

@@ -320,6 +320,28 @@ def test_doctor_json():
     assert all(f"  {types}: " in text.stdout for types in rep["exact_kernels"])
 
 
+def test_doctor_marks_learned_entries_of_another_build(tmp_path):
+    """Window costs and repack verdicts are per llama.cpp build (every reinstall is a new one): doctor
+    lists this build's entries first and marks the others as unused, naming how many there are."""
+    from mars_local.llama.runtime import build_fingerprint
+
+    this, other = build_fingerprint(), "0123456789ab"
+    assert this != other
+    entries = {f"costs|target.gguf@aaaaaaaaaaaa|{b}|t2|f16|faNone|nglNone": {"time": {"1": [ms / 1e3, 1.0]}}
+               for b, ms in ((other, 52.5), (this, 41.0))}
+    entries["accept|target.gguf@aaaaaaaaaaaa|draft.gguf@bbbbbbbbbbbb|strict/None/True"] = {"counts": []}
+    (tmp_path / "learned.json").write_text(json.dumps({"version": 1, "entries": entries}))
+    env = {"MARS_STATE_DIR": str(tmp_path)}
+    rep = json.loads(invoke("doctor", "--json", env=env).stdout)["learned"]
+    assert rep["build"] == this and rep["other_builds"] == [f"costs|target.gguf@aaaaaaaaaaaa|{other}|t2|f16|faNone|nglNone"]
+    lines = invoke("doctor", env=env).stdout.splitlines()
+    assert any("3 entries" in ln and "1 of them from other llama.cpp builds" in ln for ln in lines)
+    costs = [ln for ln in lines if ln.startswith("  costs")]
+    assert "1 row 41.0 ms" in costs[0] and "another llama.cpp build" not in costs[0]  # this build's first
+    assert "1 row 52.5 ms" in costs[1] and costs[1].endswith("(another llama.cpp build: not used by this one)")
+    assert all(other not in ln and this not in ln for ln in costs)  # names, not hashes
+
+
 @pytest.mark.slow
 def test_learned_state_persists_shows_in_doctor_and_resets(tiny_target, tiny_draft, tmp_path):
     """A second process starts from what the first learned (no re-timing of

@@ -19,11 +19,11 @@ def test_cpu_features_reads_the_features_that_are_on():
 @pytest.mark.parametrize("info", [ZEN4, AVX2])
 def test_x86_with_llamafile_names_the_tile_and_every_weight_family(info):
     paths = kernel_paths(info)
-    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0, Q5_0, IQ4_NL", "Q4_K, Q5_K, Q6_K", "K-quants, Q4_1, Q5_1, other IQ",
+    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0, Q5_0, IQ4_NL", "Q4_K, Q5_K, Q6_K", "Q2_K, Q3_K, Q4_1, Q5_1, other IQ",
                           "repacked weights"}
     assert "eight rows per weight row" in paths["Q4_K, Q5_K, Q6_K"]
     assert "8x1 tiles" in paths["F16, BF16, F32"]
-    assert "dot kernels up to 64 rows" in paths["K-quants, Q4_1, Q5_1, other IQ"]
+    assert "dot kernels up to 64 rows" in paths["Q2_K, Q3_K, Q4_1, Q5_1, other IQ"]
     assert "measured them exact" in paths["repacked weights"]
 
 
