@@ -35,15 +35,19 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
         return {"all": "ggml's dot kernels for every batch of up to 64 rows (exact; a window of k+1 rows "
                        "costs about k+1 single rows), tiled kernels above (prompts)"}
     cols = "AVX2" in feats or "AVX512" in feats  # the K-quant column kernels (patches/0004, 0006) are AVX2 code
+    tiled_q5 = cols and "FMA" in feats  # patches/0008: the tiled kernel's float steps are fused
     return {
         "F16, BF16, F32": "tinyBLAS at every batch size (one row in 8x1 tiles; windows and prompts "
                           "in stock's tiles, the same sum per element)",
         "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
                                     "the tile)",
-        **({"Q4_K, Q5_K, Q6_K": "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight "
-                                "row (patches/0004, 0006: each result summed as the dot kernel sums it alone), "
-                                "tiled above"}
+        **({("Q4_K, Q6_K" if tiled_q5 else "Q4_K, Q5_K, Q6_K"):
+            "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight row (patches/0004, "
+            "0006: each result summed as the dot kernel sums it alone; 0007: a large matrix read once), tiled above"}
            if cols else {}),
+        **({"Q5_K": "every row summed in the order of llama.cpp's tiled kernel: one row and windows of up to 8 rows "
+                    "eight rows per weight row, 9+ rows the tiled kernel itself, at stock's speed (patches/0008)"}
+           if tiled_q5 else {}),
         ("Q2_K, Q3_K, Q4_1, Q5_1, other IQ" if cols else "K-quants, Q4_1, Q5_1, other IQ"): "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
         "repacked weights": "used for a quantized target only where its first load measured them exact on "
                             "this CPU and build (learned state below; e.g. Q4_0 on a Zen 4, and Q4_K: "

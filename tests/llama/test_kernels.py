@@ -19,12 +19,20 @@ def test_cpu_features_reads_the_features_that_are_on():
 @pytest.mark.parametrize("info", [ZEN4, AVX2])
 def test_x86_with_llamafile_names_the_tile_and_every_weight_family(info):
     paths = kernel_paths(info)
-    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0, Q5_0, IQ4_NL", "Q4_K, Q5_K, Q6_K", "Q2_K, Q3_K, Q4_1, Q5_1, other IQ",
-                          "repacked weights"}
-    assert "eight rows per weight row" in paths["Q4_K, Q5_K, Q6_K"]
+    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0, Q5_0, IQ4_NL", "Q4_K, Q6_K", "Q5_K",
+                          "Q2_K, Q3_K, Q4_1, Q5_1, other IQ", "repacked weights"}
+    assert "eight rows per weight row" in paths["Q4_K, Q6_K"]
+    assert "order of llama.cpp's tiled kernel" in paths["Q5_K"] and "patches/0008" in paths["Q5_K"]
     assert "8x1 tiles" in paths["F16, BF16, F32"]
     assert "dot kernels up to 64 rows" in paths["Q2_K, Q3_K, Q4_1, Q5_1, other IQ"]
     assert "measured them exact" in paths["repacked weights"]
+
+
+def test_q5_k_takes_the_tiled_order_only_with_fma():
+    """patches/0008 mirrors the tiled kernel's fused float steps: an AVX2 build without FMA keeps Q5_K
+    with Q4_K and Q6_K (the dot kernel's order)."""
+    no_fma = AVX2.replace("FMA = 1 | ", "")
+    assert "Q5_K" not in kernel_paths(no_fma) and "Q4_K, Q5_K, Q6_K" in kernel_paths(no_fma)
 
 
 def test_q4_k_windows_take_the_column_kernel_only_where_it_is_built():

@@ -7,6 +7,10 @@ columns inner, so the weights are read from memory once per window instead of on
 That changes which columns each kernel call takes, which must never change a result: every row of a
 window of 17, 24, 33 or 64 rows stays bit for bit the row computed alone.  SmolLM2's K-quant
 matrices are all under 1 MB (its width is 576), so this test builds a random model whose are not.
+
+patches/0008: Q5_K rows, one alone included, are summed in the order of llama.cpp's tiled K-quant
+kernel, and Q5_K batches of 9+ rows take that kernel: a row alone and in windows of up to 8 rows
+(the tiled-order column kernel) must equal the same row in a window of 9+ (the tiled kernel).
 """
 
 from __future__ import annotations
@@ -38,6 +42,6 @@ def test_windows_over_large_k_quant_matrices_are_batch_invariant(wide_tiny, ftyp
     kquant = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
     large = [t.name for t in gguf.GGUFReader(str(model)).tensors if t.tensor_type in kquant and t.n_bytes > L2_BYTES]
     assert any("ffn" in name for name in large), large  # the test covers patches/0007's path
-    res = batch_invariance(model, windows=(9, 17, 24, 33, 64), n=64, n_threads=2, prompt="a b c d e f g h")
+    res = batch_invariance(model, windows=(2, 8, 9, 17, 24, 33, 64), n=64, n_threads=2, prompt="a b c d e f g h")
     assert {w: d for w, (d, _) in res.items()} == {w: 0 for w in res}, res
     assert all(np.isfinite(m) for _, m in res.values())
