@@ -35,9 +35,9 @@ PY="$VENV/bin/python"
 # up), each result summed exactly as ggml's 1-row dot kernel sums it; patches/0006 Q6_K windows
 # the same way; patches/0007 reads a large matrix's weights once for windows of 17-64 rows;
 # patches/0008 sums Q5_K rows in llama.cpp's tiled kernel's order, so Q5_K windows of 9+ rows
-# take that kernel (stock's speed) and still match a lone row.  patches/0005 makes llama.cpp's repacked Q4_K kernels on x86 (1-row gemv, 4-row
-# gemm) sum alike, so a Q4_K target can be loaded repacked where the load-time probe
-# (speculate/repack.py) finds it exact.
+# take that kernel (stock's speed) and still match a lone row.  patches/0005 makes llama.cpp's
+# repacked Q4_K kernels on x86 (1-row gemv, 4-row gemm) sum alike, so a Q4_K target can be
+# loaded repacked where the load-time probe (speculate/repack.py) finds it exact.
 case "$(uname -m)" in
     x86_64|amd64|i686|i386) LLAMAFILE=ON ;;
     *) LLAMAFILE=OFF ;;

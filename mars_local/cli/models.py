@@ -119,9 +119,8 @@ def doctor_report() -> dict:
         registry = {"sources": reg.sources, "problem": None}
     except MarsError as exc:
         rows, registry = [], {"sources": None, "problem": " ".join(str(exc).split())}
-    from ..speculate.learned import default_store
-
     from ..llama.runtime import build_fingerprint
+    from ..speculate.learned import default_store
 
     store = default_store()
     entries = store.entries()
@@ -155,9 +154,12 @@ def doctor_report() -> dict:
     }
 
 
+_BUILD_FIELD = re.compile(r"[0-9a-f]{12}")  # llama.runtime.build_fingerprint() in a learned-state key
+
+
 def _learned_build(key: str) -> str | None:
     """The llama.cpp build a learned-state key was measured with (its bare 12-hex field), if any."""
-    return next((p for p in key.split("|")[1:] if re.fullmatch(r"[0-9a-f]{12}", p)), None)
+    return next((p for p in key.split("|")[1:] if _BUILD_FIELD.fullmatch(p)), None)
 
 
 def _learned_summary(v: dict) -> str:
@@ -280,7 +282,7 @@ def _doctor_lines(rep: dict, servers) -> list[str]:
     ]
     for k, v in sorted(learned["entries"].items(), key=lambda kv: kv[0] in other):  # this build's first
         kind, *parts = k.split("|")
-        where = " · ".join(p.split("@")[0] for p in parts if _learned_build("|" + p) is None)  # names, not hashes
+        where = " · ".join(p.split("@")[0] for p in parts if not _BUILD_FIELD.fullmatch(p))  # names, not hashes
         lines.append(f"  {kind:<7} {where}: {v}" + (" (another llama.cpp build: not used by this one)" if k in other else ""))
     for srv in servers or ():
         if "error" in srv:

@@ -22,7 +22,7 @@ from conftest import requantize
 from helpers import x86_avx2_build
 from tinymodels import make_tiny_llama
 
-pytestmark = pytest.mark.skipif(not x86_avx2_build(), reason="patches/0004, 0006 and 0007 change x86 AVX2/AVX-512 code only")
+pytestmark = pytest.mark.skipif(not x86_avx2_build(), reason="patches/0004 and 0006-0008 change x86 AVX2/AVX-512 code only")
 
 L2_BYTES = 1 << 20  # patches/0007's threshold
 

@@ -118,9 +118,10 @@ def test_verify_windows_are_batch_invariant(which, request):
     K-quant kernel) is bit-identical to the same row computed alone.  F16/BF16
     and Q8_0/Q4_0/Q5_0/IQ4_NL go through llamafile's tinyBLAS at every size (one row in
     another tile shape than a window's: patches/0002); Q4_K_M mixes Q5_0/Q8_0
-    (tinyBLAS) with Q4_K/Q6_K (vec_dot up to 64 rows; Q4_K, Q5_K and Q6_K windows in groups of up to
+    (tinyBLAS) with Q4_K/Q6_K (vec_dot up to 64 rows; Q4_K and Q6_K windows in groups of up to
     eight rows per weight row on x86, patches/0004 and 0006: windows of 2, 3, 4, 7 and 8 rows are one group, 9 and
-    17 end in a lone row, which takes the dot kernel)."""
+    17 end in a lone row, which takes the dot kernel); Q5_K rows in the tiled kernel's order on x86 with
+    FMA, 9+ rows through that kernel (patches/0008)."""
     from mars_local.llama.invariance import batch_invariance
 
     res = batch_invariance(request.getfixturevalue(which), windows=(2, 3, 4, 7, 8, 9, 17), n=34, n_threads=2)
