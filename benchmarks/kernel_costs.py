@@ -76,12 +76,17 @@ def exact_lib_dir() -> Path:
 
 
 def bench(binary: Path, model: Path, threads: int, windows, prompt: int, depth: int, reps: int,
-          exact_lib: Path | None, repack: bool = False) -> dict[str, tuple[float, float]]:
-    """{test: (mean ms per forward, fastest repetition's ms per forward)} from one llama-bench run."""
+          exact_lib: Path | None, repack: bool = False, stock_lib: Path | None = None
+          ) -> dict[str, tuple[float, float]]:
+    """{test: (mean ms per forward, fastest repetition's ms per forward)} from one llama-bench run:
+    our libraries with ``exact_lib``, else stock (``stock_lib``: stock libraries other than the
+    binary's own, e.g. built for another ISA level)."""
     env = dict(os.environ)
     args = [str(binary), "-m", str(model), "-t", str(threads), "-r", str(reps), "-o", "json"]
+    lib = exact_lib or stock_lib
+    if lib:
+        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
     if exact_lib:
-        env["LD_LIBRARY_PATH"] = f"{exact_lib}:{env.get('LD_LIBRARY_PATH', '')}"
         args += ["--repack", "1" if repack else "0"]
     out: dict[str, tuple[float, float]] = {}
     runs = [["-p", ",".join(str(w) for w in windows), "-n", "8", "-d", str(depth)],
@@ -116,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-cpp-bin", type=Path, default=cache_dir() / "llama-bin")
     ap.add_argument("--exact-lib", type=Path, default=None,
                     help="the patched ggml/llama libraries (default: the installed llama-cpp-python's)")
+    ap.add_argument("--stock-lib", type=Path, default=None,
+                    help="stock ggml/llama libraries to load instead of the llama-bench build's own (the same "
+                         "llama.cpp built for another ISA level, to compare with --exact-lib built alike)")
     ap.add_argument("--exact-repack", default="",
                     help="weight types whose exact side loads repacked (as mars-local does where it measured "
                          "the repacked kernels exact on this machine: speculate/repack.py), e.g. Q4_0")
@@ -141,7 +149,7 @@ def main(argv=None) -> int:
         for t in types:
             for side in ("stock", "exact"):
                 res = bench(binary, models[t], a.threads, windows, a.prompt, a.depth, a.reps,
-                            exact_lib if side == "exact" else None, t in repacked)
+                            exact_lib if side == "exact" else None, t in repacked, a.stock_lib)
                 for test, (mean, fastest) in res.items():
                     raw[t][side].setdefault(test, []).append(mean)
                     best[t][side].setdefault(test, []).append(fastest)
@@ -161,7 +169,9 @@ def main(argv=None) -> int:
             fs, fe = min(best[t]["stock"][test]), min(best[t]["exact"][test])
             print(f"| {t} | {test} | {s:.1f} | {e:.1f} | {e / s:.2f} | {fe / fs:.2f} |")
     if a.json:
-        a.json.write_text(json.dumps({"threads": a.threads, "depth": a.depth, "raw": raw, "fastest": best},
+        a.json.write_text(json.dumps({"threads": a.threads, "depth": a.depth, "exact_lib": str(exact_lib),
+                                      "stock_lib": str(a.stock_lib) if a.stock_lib else None,
+                                      "raw": raw, "fastest": best},
                                      indent=1))
     return 0
 

@@ -37,7 +37,8 @@ PY="$VENV/bin/python"
 # patches/0008 sums Q5_K rows in llama.cpp's tiled kernel's order, so Q5_K windows of 9+ rows
 # take that kernel (stock's speed) and still match a lone row.  patches/0005 makes llama.cpp's
 # repacked Q4_K kernels on x86 (1-row gemv, 4-row gemm) sum alike, so a Q4_K target can be
-# loaded repacked where the load-time probe (speculate/repack.py) finds it exact.
+# loaded repacked where the load-time probe (speculate/repack.py) finds it exact.  patches/0009
+# keeps ARM i8mm's 2x2 mmla kernel (another summation order) out of batches of up to 64 rows.
 case "$(uname -m)" in
     x86_64|amd64|i686|i386) LLAMAFILE=ON ;;
     *) LLAMAFILE=OFF ;;

@@ -2,7 +2,7 @@
 
 Strict greedy speculative output equals plain greedy output only if a row computed in a verify
 window of k+1 rows is bit-identical to the same row computed alone (a plain decoding step).  Stock
-llama.cpp sends those two through different kernels; our patches (patches/0002-0008) choose, per
+llama.cpp sends those two through different kernels; our patches (patches/0002-0009) choose, per
 weight type, kernels whose summation order does not depend on the batch size.  What each choice
 costs against stock llama.cpp is measured by ``benchmarks/kernel_costs.py`` (BENCHMARKS.md, one
 table per CPU).  This module only *describes* the choice for a build, from llama.cpp's system-info
@@ -32,8 +32,11 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
                        "target loaded with -ngl 0 takes the CPU's exact kernels, its 32+-row forwards kept off the GPU"}
     x86 = bool(feats & {"AVX", "AVX2", "AVX512"})
     if not (x86 and "LLAMAFILE" in feats):
+        mmla = ("; on this ARM CPU's i8mm, Q4_0, Q4_1, Q8_0, Q4_K and Q6_K batches of up to 64 rows keep the dot "
+                "kernel too, the 2x2 mmla kernel (another summation order) only for prompts (patches/0009)"
+                if "MATMUL_INT8" in feats else "")
         return {"all": "ggml's dot kernels for every batch of up to 64 rows (exact; a window of k+1 rows "
-                       "costs about k+1 single rows), tiled kernels above (prompts)"}
+                       f"costs about k+1 single rows), tiled kernels above (prompts){mmla}"}
     cols = "AVX2" in feats or "AVX512" in feats  # the K-quant column kernels (patches/0004, 0006) are AVX2 code
     tiled_q5 = cols and "FMA" in feats  # patches/0008: the tiled kernel's float steps are fused
     return {

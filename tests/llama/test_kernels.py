@@ -47,6 +47,13 @@ def test_without_llamafile_every_type_takes_the_dot_kernels(info):
     assert list(paths) == ["all"] and "dot kernels for every batch of up to 64 rows" in paths["all"]
 
 
+def test_an_arm_cpu_with_i8mm_names_the_mmla_kernel_kept_for_prompts():
+    """patches/0009: the 2x2 mmla kernel sums in another order, so windows keep the dot kernel."""
+    i8mm = kernel_paths(NEON.replace("DOTPROD = 1", "DOTPROD = 1 | MATMUL_INT8 = 1"))["all"]
+    assert "mmla" in i8mm and "patches/0009" in i8mm
+    assert "mmla" not in kernel_paths(NEON)["all"]
+
+
 def test_a_gpu_backend_names_its_16_row_bound_and_what_is_not_guaranteed():
     paths = kernel_paths(ZEN4, backend="cuda")
     assert list(paths) == ["all"] and paths["all"].startswith("cuda")

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Is our patched ggml batch-invariant on ARM?  Cross-builds it for aarch64 (by default with
+# dotprod and i8mm, the features of Graviton 3/4, Apple M2+ and Snapdragon X CPUs) and runs
+# tests/llama/mulmat_window_check.c under qemu-user for every weight type: a verify window's
+# rows (2-64) against single rows, bit for bit.  A developer's check (no ARM machine needed;
+# qemu's timings mean nothing, its results are the CPU's):
+#
+#   apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user
+#   scripts/arm_window_check.sh [ARCH] [stock]      ARCH: default armv8.6-a+dotprod+i8mm+fp16
+#
+# "stock" checks llama.cpp as released instead (on i8mm, its even-sized windows of Q4_0, Q4_1,
+# Q8_0, Q4_K and Q6_K differ: what patches/0009 fixes).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VERSION=${LLAMA_CPP_VERSION:-0.3.36}
+CACHE=${MARS_CACHE_DIR:-$ROOT/.cache}
+ARCH=${1:-armv8.6-a+dotprod+i8mm+fp16}
+SIDE=${2:-exact}
+for tool in aarch64-linux-gnu-gcc aarch64-linux-gnu-g++ qemu-aarch64; do
+    command -v "$tool" > /dev/null || { echo "error: $tool not found (apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user)" >&2; exit 1; }
+done
+SDIST="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+    mkdir -p "$CACHE/sdist"
+    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
+fi
+SRC="$CACHE/isa-src/$SIDE"
+if [ ! -f "$SRC/.ready" ]; then  # (the same trees as benchmarks/build_isa_libs.sh)
+    rm -rf "$SRC" && mkdir -p "$SRC"
+    tar -xzf "$SDIST" -C "$SRC" --strip-components=1
+    if [ "$SIDE" = exact ]; then
+        for p in "$ROOT"/patches/*.patch; do patch -d "$SRC" -p1 --forward --quiet < "$p"; done
+    fi
+    touch "$SRC/.ready"
+fi
+build="$SRC/build-aarch64-${ARCH//+/-}"
+mkdir -p "$build"
+cat > "$build/toolchain.cmake" <<EOF
+set(CMAKE_SYSTEM_NAME Linux)
+set(CMAKE_SYSTEM_PROCESSOR aarch64)
+set(CMAKE_C_COMPILER aarch64-linux-gnu-gcc)
+set(CMAKE_CXX_COMPILER aarch64-linux-gnu-g++)
+set(CMAKE_FIND_ROOT_PATH /usr/aarch64-linux-gnu)
+set(CMAKE_FIND_ROOT_PATH_MODE_PROGRAM NEVER)
+set(CMAKE_FIND_ROOT_PATH_MODE_LIBRARY ONLY)
+set(CMAKE_FIND_ROOT_PATH_MODE_INCLUDE ONLY)
+EOF
+# as scripts/build_llama_cpp.sh builds for ARM: llamafile off
+cmake -S "$SRC/vendor/llama.cpp" -B "$build" -DCMAKE_TOOLCHAIN_FILE="$build/toolchain.cmake" \
+    -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH="$ARCH" \
+    -DGGML_LLAMAFILE=OFF > "$build/configure.log" 2>&1 || { cat "$build/configure.log" >&2; exit 1; }
+cmake --build "$build" -j "$(nproc)" --target ggml ggml-cpu > "$build/build.log" 2>&1 || { tail -30 "$build/build.log" >&2; exit 1; }
+exe="$build/mulmat_window_check"
+aarch64-linux-gnu-gcc -O2 -o "$exe" "$ROOT/tests/llama/mulmat_window_check.c" -I"$SRC/vendor/llama.cpp/ggml/include" \
+    -L"$build/bin" -Wl,-rpath,"$build/bin" -lggml -lggml-cpu -lggml-base -lm
+status=0
+for t in f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K q5_K q6_K; do
+    for threads in 1 2; do
+        out=$(qemu-aarch64 -cpu max -L /usr/aarch64-linux-gnu "$exe" "$t" "$threads" 1024 128) || status=1
+        printf '%s\n' "$out" | head -3
+    done
+done
+exit $status
