@@ -125,8 +125,8 @@ def main(argv=None) -> int:
                     help="stock ggml/llama libraries to load instead of the llama-bench build's own (the same "
                          "llama.cpp built for another ISA level, to compare with --exact-lib built alike)")
     ap.add_argument("--exact-repack", default="",
-                    help="weight types whose exact side loads repacked (as mars-local does where it measured "
-                         "the repacked kernels exact on this machine: speculate/repack.py), e.g. Q4_0")
+                    help="weight types (of --types) whose exact side loads repacked (as mars-local does where it "
+                         "measured the repacked kernels exact on this machine: speculate/repack.py), e.g. Q4_0,Q4_K_M")
     ap.add_argument("--json", type=Path, help="write the raw figures here")
     a = ap.parse_args(argv)
     binary = a.llama_cpp_bin / "llama-bench"
@@ -141,6 +141,10 @@ def main(argv=None) -> int:
     windows = [int(w) for w in a.windows.split(",")]
     exact_lib = a.exact_lib or exact_lib_dir()
     repacked = {t.strip() for t in a.exact_repack.split(",") if t.strip()}
+    if repacked - set(TYPES):
+        print(f"error: --exact-repack: unknown weight type {sorted(repacked - set(TYPES))[0]!r} "
+              f"(one of {', '.join(TYPES)})", file=sys.stderr)
+        return 2
     models = wide_models(types, a.layers)
     # raw[type][side][test]: the mean ms of each round; best[...]: each round's fastest repetition
     raw: dict[str, dict[str, dict[str, list[float]]]] = {t: {"stock": {}, "exact": {}} for t in types}

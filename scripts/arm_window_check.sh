@@ -2,8 +2,10 @@
 # Is our patched ggml batch-invariant on ARM?  Cross-builds it for aarch64 (by default with
 # dotprod and i8mm, the features of Graviton 3/4, Apple M2+ and Snapdragon X CPUs) and runs
 # tests/llama/mulmat_window_check.c under qemu-user for every weight type: a verify window's
-# rows (2-64) against single rows, bit for bit.  A developer's check (no ARM machine needed;
-# qemu's timings mean nothing, its results are the CPU's):
+# rows (2-64) against single rows, bit for bit; then tests/llama/model_window_check.c on a small
+# random model (512 wide, written by the venv's Python) in each weight type: a whole forward's
+# windows of 2-17 rows (attention, norms, every matrix) against plain decoding.  A developer's
+# check (no ARM machine needed; qemu's timings mean nothing, its results are the CPU's):
 #
 #   apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user
 #   scripts/arm_window_check.sh [ARCH] [stock]      ARCH: default armv8.6-a+dotprod+i8mm+fp16
@@ -50,7 +52,7 @@ cmake -S "$SRC/vendor/llama.cpp" -B "$build" -DCMAKE_TOOLCHAIN_FILE="$build/tool
     -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF \
     -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DGGML_CPU_ARM_ARCH="$ARCH" \
     -DGGML_LLAMAFILE=OFF > "$build/configure.log" 2>&1 || { cat "$build/configure.log" >&2; exit 1; }
-cmake --build "$build" -j "$(nproc)" --target ggml ggml-cpu > "$build/build.log" 2>&1 || { tail -30 "$build/build.log" >&2; exit 1; }
+cmake --build "$build" -j "$(nproc)" --target llama ggml ggml-cpu > "$build/build.log" 2>&1 || { tail -30 "$build/build.log" >&2; exit 1; }
 exe="$build/mulmat_window_check"
 aarch64-linux-gnu-gcc -O2 -o "$exe" "$ROOT/tests/llama/mulmat_window_check.c" -I"$SRC/vendor/llama.cpp/ggml/include" \
     -L"$build/bin" -Wl,-rpath,"$build/bin" -lggml -lggml-cpu -lggml-base -lm
@@ -61,4 +63,34 @@ for t in f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K q5_K q6_K; do
         printf '%s\n' "$out" | head -3
     done
 done
+models="$CACHE/arm-models"
+if [ -x "$ROOT/.venv/bin/python" ]; then
+    "$ROOT/.venv/bin/python" - "$models" "$ROOT/tests" > "$build/models.log" 2>&1 <<'PY'
+import ctypes, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+import llama_cpp
+from tinymodels import make_tiny_llama
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+f32 = out / "tiny512-F32.gguf"
+if not f32.exists():
+    make_tiny_llama(f32, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024, n_layer=2, seed=3, block_scale=0.05)
+for t in ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K"):
+    dst = out / f"tiny512-{t}.gguf"
+    if not dst.exists():
+        p = llama_cpp.llama_model_quantize_default_params()
+        p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{t}")
+        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(dst).encode(), ctypes.byref(p)) == 0, t
+PY
+    [ $? -eq 0 ] || { tail -20 "$build/models.log" >&2; exit 1; }
+    mexe="$build/model_window_check"
+    aarch64-linux-gnu-gcc -O2 -o "$mexe" "$ROOT/tests/llama/model_window_check.c" -I"$SRC/vendor/llama.cpp/include" \
+        -I"$SRC/vendor/llama.cpp/ggml/include" -L"$build/bin" -Wl,-rpath,"$build/bin" -lllama -lggml -lggml-base -lm
+    for t in F16 Q8_0 Q4_0 Q4_1 Q4_K_M Q5_K_M Q6_K; do
+        out=$(qemu-aarch64 -cpu max -L /usr/aarch64-linux-gnu "$mexe" "$models/tiny512-$t.gguf" 2) || status=1
+        printf '%s: %s\n' "$t" "$out" | head -4
+    done
+else
+    echo "(no .venv: the model-level check needs 'make install' to write its models)"
+fi
 exit $status
