@@ -38,16 +38,16 @@ x86_only = pytest.mark.skipif(not x86_avx2_build(), reason="patches/0005 and 000
 
 
 def _build(name: str, out: Path) -> Path:
-    """``name``.c built against the installed llama-cpp-python's ggml libraries and headers."""
+    """``name``.c built against the installed llama-cpp-python's libraries and headers."""
     import llama_cpp
 
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc, "a C compiler (the set-up contract's gcc) builds the kernel check"
     pkg = Path(llama_cpp.__file__).parent
-    lib, include = pkg / "lib", pkg.parent / "include"  # (the wheel installs ggml's headers beside the package)
+    lib, include = pkg / "lib", pkg.parent / "include"  # (the wheel installs the headers beside the package)
     exe = out / name
     proc = subprocess.run([cc, "-O2", "-o", str(exe), str(HERE / f"{name}.c"), f"-I{include}", f"-L{lib}",
-                           f"-Wl,-rpath,{lib}", "-lggml", "-lggml-cpu", "-lggml-base", "-lm"],
+                           f"-Wl,-rpath,{lib}", "-lllama", "-lggml", "-lggml-cpu", "-lggml-base", "-lm"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return exe
@@ -69,6 +69,16 @@ def test_a_window_row_equals_the_row_alone_through_ggml_mul_mat(window_checker, 
     proc = subprocess.run([str(window_checker), wtype, str(threads)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith(f"ok: {wtype},"), proc.stdout
+
+
+@pytest.mark.parametrize("model", ["smollm2", "smollm2_q4km"])
+def test_a_whole_models_windows_equal_plain_decoding_through_libllama_alone(tmp_path, model, request):
+    """model_window_check.c: what scripts/arm_window_check.sh runs under qemu-user, here on this CPU
+    (SmolLM2's Q4_1 and Q4_K_M: windows of 2-17 rows against one-row decoding, every logit)."""
+    exe = _build("model_window_check", tmp_path)
+    proc = subprocess.run([str(exe), str(request.getfixturevalue(model)), "2"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok: windows of 2-17 rows"), proc.stdout
 
 
 @x86_only
