@@ -14,7 +14,6 @@
 # (llama-bench from benchmarks/build_llama_tools.sh loads either through LD_LIBRARY_PATH.)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VERSION=${LLAMA_CPP_VERSION:-0.3.36}
 CACHE=${MARS_CACHE_DIR:-$ROOT/.cache}
 LEVEL=${1:-}
 OUT=${2:-$CACHE/isa/$LEVEL}
@@ -26,24 +25,11 @@ case "$LEVEL" in
     native) flags="-DGGML_NATIVE=ON" ;;
     *) echo "usage: $0 avx2|avx512|avx512-vnni|native [OUT_DIR]" >&2; exit 2 ;;
 esac
-SDIST="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
-if [ ! -f "$SDIST" ]; then
-    mkdir -p "$CACHE/sdist"
-    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
-fi
-SRC="$CACHE/isa-src"
 for side in stock exact; do
-    if [ ! -f "$SRC/$side/.ready" ]; then  # a fresh tree (the exact one patched as `make install` patches it)
-        rm -rf "$SRC/$side" && mkdir -p "$SRC/$side"
-        tar -xzf "$SDIST" -C "$SRC/$side" --strip-components=1
-        if [ "$side" = exact ]; then
-            for p in "$ROOT"/patches/*.patch; do patch -d "$SRC/$side" -p1 --forward --quiet < "$p"; done
-        fi
-        touch "$SRC/$side/.ready"
-    fi
-    build="$SRC/$side/build-$LEVEL"
+    SRC=$("$ROOT/scripts/llama_tree.sh" "$side")
+    build="$SRC/build-$LEVEL"
     # shellcheck disable=SC2086
-    cmake -S "$SRC/$side/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+    cmake -S "$SRC/vendor/llama.cpp" -B "$build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DGGML_RPC=ON $flags > /dev/null
     cmake --build "$build" -j "$(nproc)" --target llama ggml-cpu ggml-rpc

@@ -14,27 +14,13 @@
 # Q8_0, Q4_K and Q6_K differ: what patches/0009 fixes).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VERSION=${LLAMA_CPP_VERSION:-0.3.36}
 CACHE=${MARS_CACHE_DIR:-$ROOT/.cache}
 ARCH=${1:-armv8.6-a+dotprod+i8mm+fp16}
 SIDE=${2:-exact}
 for tool in aarch64-linux-gnu-gcc aarch64-linux-gnu-g++ qemu-aarch64; do
     command -v "$tool" > /dev/null || { echo "error: $tool not found (apt-get install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user)" >&2; exit 1; }
 done
-SDIST="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
-if [ ! -f "$SDIST" ]; then
-    mkdir -p "$CACHE/sdist"
-    python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$CACHE/sdist"
-fi
-SRC="$CACHE/isa-src/$SIDE"
-if [ ! -f "$SRC/.ready" ]; then  # (the same trees as benchmarks/build_isa_libs.sh)
-    rm -rf "$SRC" && mkdir -p "$SRC"
-    tar -xzf "$SDIST" -C "$SRC" --strip-components=1
-    if [ "$SIDE" = exact ]; then
-        for p in "$ROOT"/patches/*.patch; do patch -d "$SRC" -p1 --forward --quiet < "$p"; done
-    fi
-    touch "$SRC/.ready"
-fi
+SRC=$("$ROOT/scripts/llama_tree.sh" "$SIDE")
 build="$SRC/build-aarch64-${ARCH//+/-}"
 mkdir -p "$build"
 cat > "$build/toolchain.cmake" <<EOF
