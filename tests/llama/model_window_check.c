@@ -51,6 +51,7 @@ int main(int argc, char ** argv) {
     llama_backend_init();
     struct llama_model_params mp = llama_model_default_params();
     mp.use_extra_bufts = false;  /* no repacking: mars-local's exact target */
+    mp.n_gpu_layers = 0;         /* the CPU's kernels (a GPU build's own bound is 16 rows: README) */
     struct llama_model * model = llama_model_load_from_file(argv[1], mp);
     if (!model) {
         fprintf(stderr, "cannot load %s\n", argv[1]);

@@ -24,7 +24,6 @@ patches/0006: the q6_K window kernel (eight columns per weight row) gives every 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -71,12 +70,16 @@ def test_a_window_row_equals_the_row_alone_through_ggml_mul_mat(window_checker, 
     assert proc.stdout.startswith(f"ok: {wtype},"), proc.stdout
 
 
+@pytest.fixture(scope="module")
+def model_checker(tmp_path_factory) -> Path:
+    return _build("model_window_check", tmp_path_factory.mktemp("model"))
+
+
 @pytest.mark.parametrize("model", ["smollm2", "smollm2_q4km"])
-def test_a_whole_models_windows_equal_plain_decoding_through_libllama_alone(tmp_path, model, request):
+def test_a_whole_models_windows_equal_plain_decoding_through_libllama_alone(model_checker, model, request):
     """model_window_check.c: what scripts/arm_window_check.sh runs under qemu-user, here on this CPU
     (SmolLM2's Q4_1 and Q4_K_M: windows of 2-17 rows against one-row decoding, every logit)."""
-    exe = _build("model_window_check", tmp_path)
-    proc = subprocess.run([str(exe), str(request.getfixturevalue(model)), "2"], capture_output=True, text=True)
+    proc = subprocess.run([str(model_checker), str(request.getfixturevalue(model)), "2"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("ok: windows of 2-17 rows"), proc.stdout
 
