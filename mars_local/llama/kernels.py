@@ -2,7 +2,7 @@
 
 Strict greedy speculative output equals plain greedy output only if a row computed in a verify
 window of k+1 rows is bit-identical to the same row computed alone (a plain decoding step).  Stock
-llama.cpp sends those two through different kernels; our patches (patches/0002-0010) choose, per
+llama.cpp sends those two through different kernels; our patches (patches/0002-0011) choose, per
 weight type, kernels whose summation order does not depend on the batch size.  What each choice
 costs against stock llama.cpp is measured by ``benchmarks/kernel_costs.py`` (BENCHMARKS.md, one
 table per CPU).  This module only *describes* the choice for a build, from llama.cpp's system-info
