@@ -131,14 +131,18 @@ class Window:
             if self.grammar is None or _finite_outside(row, eog):
                 row[eog] = -np.inf
 
-    def push(self, token: int, row: np.ndarray) -> bool:
+    def push(self, token: int, row: np.ndarray, drafting: bool = False) -> bool:
         """Advance by ``token`` (the row it was chosen from, as processed); False if the
-        token is forbidden there (then the walk must stop: nothing after it is valid)."""
+        token is forbidden there (then the walk must stop: nothing after it is valid).
+        ``drafting``: a drafter's proposal, which also stops before a token that would set a
+        lazy grammar off (GrammarState.triggered_by; the target decides that token)."""
         if token >= len(row) or not np.isfinite(row[token]):
             return False
         if self.grammar is not None:
             if token in self.c.eog:
                 return False  # a finished document: nothing follows
+            if drafting and self.grammar.triggered_by(token):
+                return False
             self.grammar.accept(token)
         self.history.append(token)
         return True

@@ -226,6 +226,12 @@ class GrammarState:
                 raise MarsError(f"the grammar's root must be a rule name, got {root!r}")
             _handle = _init_grammar(C, model.vocab, text.encode("utf-8"), root.encode("ascii"), tuple(triggers))
         self._h = _handle
+        # a lazy grammar's wait for its trigger, mirrored here: llama.cpp sets the grammar off the moment
+        # the accepted text holds a trigger word and replays the rest of that token's text into it,
+        # which aborts the process when that rest is not allowed (a C++ exception through the C API)
+        self._triggers = tuple(w.encode("utf-8") for w in triggers if w)
+        self._awaiting = bool(self._triggers)
+        self._tail = b""  # the accepted text's last bytes, enough to hold a trigger word's start
         n = model.n_vocab
         self._buf = np.zeros(n, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._buf["id"] = np.arange(n, dtype=np.int32)
@@ -235,7 +241,18 @@ class GrammarState:
         self._small = None  # the candidates of mask(row, need)
 
     def clone(self) -> "GrammarState":
-        return GrammarState(self.model, _handle=self._C.llama_sampler_clone(self._h))
+        twin = GrammarState(self.model, _handle=self._C.llama_sampler_clone(self._h))
+        twin._triggers, twin._awaiting, twin._tail = self._triggers, self._awaiting, self._tail
+        return twin
+
+    def triggered_by(self, token: int) -> bool:
+        """Whether accepting ``token`` would set a lazy grammar off (its text completes a trigger
+        word).  A drafter stops before such a token: whether the rest of its text is allowed is
+        known only once the grammar applies, and llama.cpp aborts where it is not."""
+        if not self._awaiting:
+            return False
+        text = self._tail + self.model.piece(int(token), special=True)
+        return any(w in text for w in self._triggers)
 
     def mask(self, row: np.ndarray, need: int = 0) -> None:
         """Forbidden tokens' logits → -inf, in place (the first n_vocab entries of ``row``).
@@ -296,6 +313,12 @@ class GrammarState:
 
     def accept(self, token: int) -> None:
         self._C.llama_sampler_accept(self._h, int(token))
+        if self._awaiting:
+            text = self._tail + self.model.piece(int(token), special=True)
+            if any(w in text for w in self._triggers):
+                self._awaiting, self._tail = False, b""
+            else:
+                self._tail = text[-max(len(w) for w in self._triggers):]
 
     def close(self) -> None:
         if getattr(self, "_h", None):

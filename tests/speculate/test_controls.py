@@ -374,3 +374,29 @@ def test_grammars_too_deep_for_llama_cpp_are_refused_before_it_parses_them(plain
     assert plain.generate("hi", grammar=ok, max_tokens=1).text == "a"
     check_grammar_text('root ::= "((((" [(((] # ((((\n' + "(" * 10 + ")" * 10)  # quoted, classes, comments skipped
     check_grammar_text(json_grammar())
+
+
+def test_a_drafter_stops_before_a_token_that_would_set_a_lazy_grammar_off(plain):
+    """llama.cpp replays the rest of a triggering token's text into the grammar and aborts the
+    process where that rest is not allowed (" hello" completes the trigger "h", then "ello" is not
+    a digit).  Whether it is allowed is the target's business: a drafter's walk stops before such a
+    token and never accepts it; other tokens keep the grammar waiting, and after the trigger the
+    grammar constrains as before."""
+    model = plain.target
+    hello, x, h, five = (next(t for t in range(model.n_vocab) if plain.piece(t) == p) for p in (b" hello", b"x", b"h", b"5"))
+    g = GrammarState(model, 'root ::= "h" [0-9]', triggers=("h",))
+    assert g.triggered_by(hello) and not g.triggered_by(x)
+    ctl = Controls(GenerateConfig(grammar='root ::= "h" [0-9]'), plain.eog_ids, g)
+    w = ctl.window([])
+    row = np.zeros(model.n_vocab, dtype=np.float32)
+    w.apply(row)
+    assert np.isfinite(row[hello])  # waiting for its trigger, the grammar masks nothing
+    assert w.push(x, row, drafting=True)  # an ordinary token: accepted, still waiting
+    assert not w.push(hello, row, drafting=True)  # the drafter stops here (accepting it would abort)
+    assert w.grammar.triggered_by(hello) and len(w.history) == 1
+    g.accept(h)  # the committed text sets it off: from now on only a digit
+    assert not g.triggered_by(hello)
+    row = np.zeros(model.n_vocab, dtype=np.float32)
+    g.mask(row)
+    assert np.isfinite(row[five]) and not np.isfinite(row[hello]) and not np.isfinite(row[x])
+    w.close()
