@@ -14,7 +14,6 @@
 # Q8_0, Q4_K and Q6_K differ: what patches/0009 fixes).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-CACHE=${MARS_CACHE_DIR:-$ROOT/.cache}
 ARCH=${1:-armv8.6-a+dotprod+i8mm+fp16}
 SIDE=${2:-exact}
 for tool in aarch64-linux-gnu-gcc aarch64-linux-gnu-g++ qemu-aarch64; do
@@ -49,26 +48,25 @@ for t in f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K q5_K q6_K; do
         printf '%s\n' "$out" | head -3
     done
 done
-models="$CACHE/arm-models"
 if [ -x "$ROOT/.venv/bin/python" ]; then
-    "$ROOT/.venv/bin/python" - "$models" "$ROOT/tests" > "$build/models.log" 2>&1 <<'PY'
-import ctypes, sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[2])
-import llama_cpp
+    # the model in each weight type, written and cached as the tests write theirs (tests/conftest.py)
+    if ! models=$("$ROOT/.venv/bin/python" - "$ROOT/tests" 2> "$build/models.log" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+from conftest import MODEL_CACHE, requantize
 from tinymodels import make_tiny_llama
-out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
-f32 = out / "tiny512-F32.gguf"
+f32 = MODEL_CACHE / "tiny512-F32.gguf"
 if not f32.exists():
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
     make_tiny_llama(f32, n_embd=512, n_head=8, n_head_kv=4, n_ff=1024, n_layer=2, seed=3, block_scale=0.05)
 for t in ("F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K"):
-    dst = out / f"tiny512-{t}.gguf"
-    if not dst.exists():
-        p = llama_cpp.llama_model_quantize_default_params()
-        p.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{t}")
-        assert llama_cpp.llama_model_quantize(str(f32).encode(), str(dst).encode(), ctypes.byref(p)) == 0, t
+    requantize(f32, f"tiny512-{t}.gguf", f"LLAMA_FTYPE_MOSTLY_{t}")
+print(MODEL_CACHE)
 PY
-    [ $? -eq 0 ] || { tail -20 "$build/models.log" >&2; exit 1; }
+    ); then
+        tail -20 "$build/models.log" >&2
+        exit 1
+    fi
     mexe="$build/model_window_check"
     aarch64-linux-gnu-gcc -O2 -o "$mexe" "$ROOT/tests/llama/model_window_check.c" -I"$SRC/vendor/llama.cpp/include" \
         -I"$SRC/vendor/llama.cpp/ggml/include" -L"$build/bin" -Wl,-rpath,"$build/bin" -lllama -lggml -lggml-base -lm

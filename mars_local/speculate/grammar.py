@@ -231,7 +231,7 @@ class GrammarState:
         # which aborts the process when that rest is not allowed (a C++ exception through the C API)
         self._triggers = tuple(w.encode("utf-8") for w in triggers if w)
         self._awaiting = bool(self._triggers)
-        self._tail = b""  # the accepted text's last bytes, enough to hold a trigger word's start
+        self._tail = b""  # the accepted text's last bytes, as many as the longest trigger word
         n = model.n_vocab
         self._buf = np.zeros(n, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._buf["id"] = np.arange(n, dtype=np.int32)
@@ -249,9 +249,9 @@ class GrammarState:
         """Whether accepting ``token`` would set a lazy grammar off (its text completes a trigger
         word).  A drafter stops before such a token: whether the rest of its text is allowed is
         known only once the grammar applies, and llama.cpp aborts where it is not."""
-        if not self._awaiting:
-            return False
-        text = self._tail + self.model.piece(int(token), special=True)
+        return self._awaiting and self._triggering(self._tail + self.model.piece(int(token), special=True))
+
+    def _triggering(self, text: bytes) -> bool:
         return any(w in text for w in self._triggers)
 
     def mask(self, row: np.ndarray, need: int = 0) -> None:
@@ -315,10 +315,8 @@ class GrammarState:
         self._C.llama_sampler_accept(self._h, int(token))
         if self._awaiting:
             text = self._tail + self.model.piece(int(token), special=True)
-            if any(w in text for w in self._triggers):
-                self._awaiting, self._tail = False, b""
-            else:
-                self._tail = text[-max(len(w) for w in self._triggers):]
+            self._awaiting = not self._triggering(text)
+            self._tail = text[-max(map(len, self._triggers)):] if self._awaiting else b""
 
     def close(self) -> None:
         if getattr(self, "_h", None):
