@@ -41,6 +41,8 @@ PY="$VENV/bin/python"
 # keeps ARM i8mm's 2x2 mmla kernel (another summation order) out of batches of up to 64 rows;
 # patches/0010 gives one Q8_0/Q4_0/Q5_0/IQ4_NL row 8x1 tinyBLAS tiles on AVX2 builds too;
 # patches/0011 reduces a Q5_K block's two integer sums together in 0008's tiled order.
+# patches/0012 adds llama_sampler_try_accept: a grammar that refuses a token returns false
+# instead of throwing through the C API (which aborts the process).
 case "$(uname -m)" in
     x86_64|amd64|i686|i386) LLAMAFILE=ON ;;
     *) LLAMAFILE=OFF ;;

@@ -131,19 +131,18 @@ class Window:
             if self.grammar is None or _finite_outside(row, eog):
                 row[eog] = -np.inf
 
-    def push(self, token: int, row: np.ndarray, drafting: bool = False) -> bool:
+    def push(self, token: int, row: np.ndarray) -> bool:
         """Advance by ``token`` (the row it was chosen from, as processed); False if the
         token is forbidden there (then the walk must stop: nothing after it is valid).
-        ``drafting``: a drafter's proposal, which also stops before a token that would set a
-        lazy grammar off (GrammarState.triggered_by; the target decides that token)."""
+        A row processed for its best few tokens (``need``) may leave a forbidden token
+        below them finite: the grammar's own check refuses it here."""
         if token >= len(row) or not np.isfinite(row[token]):
             return False
         if self.grammar is not None:
             if token in self.c.eog:
                 return False  # a finished document: nothing follows
-            if drafting and self.grammar.triggered_by(token):
+            if not self.grammar.try_accept(token):
                 return False
-            self.grammar.accept(token)
         self.history.append(token)
         return True
 

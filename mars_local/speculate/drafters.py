@@ -222,7 +222,7 @@ class ModelDrafter(Drafter):
                     tok = sample_from(q, position_uniforms(self.seed, len(tokens) + len(out), 1, stream=1)[0, 0])
                 else:
                     tok = int(row.argmax())
-                if win is not None and not win.push(tok, row, drafting=True):
+                if win is not None and not win.push(tok, row):
                     break
                 if sampled:
                     probs.append(q)

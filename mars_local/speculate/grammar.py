@@ -11,10 +11,12 @@ engine's loop, and the check of a grammar's cost belongs to this package.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import json
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -208,12 +210,19 @@ class GrammarState:
     (in place); :meth:`accept` advances it by one allowed token; :meth:`clone`
     gives an independent copy (a verify window advances a clone along the
     draft, so rolling back is dropping the clone).  Accepting a token the
-    grammar forbids, or an end-of-generation token, is a fatal error inside
-    llama.cpp: callers accept only tokens :meth:`mask` left finite.
+    grammar forbids (an end-of-generation token before the grammar is complete)
+    is a fatal error inside llama.cpp: callers accept only tokens :meth:`mask`
+    left finite, and where one does not, :meth:`accept` raises MarsError and
+    :meth:`try_accept` answers False instead of the process aborting.
 
-    ``triggers`` (words) make the grammar lazy (llama.cpp's lazy grammar sampler): it masks
+    ``triggers`` (words) make the grammar lazy (llama.cpp's lazy grammar sampler): it constrains
     nothing until one of the words appears in the accepted text, then constrains the rest from
     that word on (so the grammar must accept the word first), e.g. a tool call's ``<tool_call>``.
+    While it waits, the one kind of token it forbids is a token that would set it off with text
+    the grammar does not allow (" hello" for the trigger "h" and a grammar wanting a digit next):
+    llama.cpp replays that text into the grammar at once and throws, which through its C API
+    aborts the process.  Such tokens are found by accepting them on a clone
+    (``llama_sampler_try_accept``, ``patches/0012``), once per token and text before it.
     """
 
     def __init__(self, model, text: str | None = None, root: str = "root", *, triggers=(), _handle=None):
@@ -232,6 +241,7 @@ class GrammarState:
         self._triggers = tuple(w.encode("utf-8") for w in triggers if w)
         self._awaiting = bool(self._triggers)
         self._tail = b""  # the accepted text's last bytes, as many as the longest trigger word
+        self._sets_off: dict = {}  # (tail, token) -> whether the token sets the grammar off allowed; shared by clones
         n = model.n_vocab
         self._buf = np.zeros(n, dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
         self._buf["id"] = np.arange(n, dtype=np.int32)
@@ -239,20 +249,59 @@ class GrammarState:
             self._buf.ctypes.data_as(C.llama_token_data_p), n, -1, False
         )
         self._small = None  # the candidates of mask(row, need)
+        self._one = self._one_arr = None  # the one candidate of _allows
+        self._broken = False  # a forbidden token was offered to accept(): the sampler refuses all
 
     def clone(self) -> "GrammarState":
         twin = GrammarState(self.model, _handle=self._C.llama_sampler_clone(self._h))
         twin._triggers, twin._awaiting, twin._tail = self._triggers, self._awaiting, self._tail
+        twin._sets_off = self._sets_off  # a waiting grammar's stacks never move: the answers hold for both
+        twin._broken = self._broken
         return twin
 
     def triggered_by(self, token: int) -> bool:
-        """Whether accepting ``token`` would set a lazy grammar off (its text completes a trigger
-        word).  A drafter stops before such a token: whether the rest of its text is allowed is
-        known only once the grammar applies, and llama.cpp aborts where it is not."""
+        """Whether accepting ``token`` would set a lazy grammar off (its text completes a trigger word)."""
         return self._awaiting and self._triggering(self._tail + self.model.piece(int(token), special=True))
 
     def _triggering(self, text: bytes) -> bool:
         return any(w in text for w in self._triggers)
+
+    def _allows_trigger(self, token: int) -> bool:
+        """Whether ``token``, which sets the waiting grammar off, brings text the grammar allows
+        (tested on a clone; the answer is kept: a waiting grammar's stacks are its initial ones)."""
+        key = (self._tail, token)
+        ok = self._sets_off.get(key)
+        if ok is None:
+            ok = self._accept_on_clone(token, keep=False)
+            self._sets_off[key] = ok
+        return ok
+
+    def _accept_on_clone(self, token: int, keep: bool) -> bool:
+        """Accept ``token`` on a clone of the sampler; where it is allowed and ``keep``, the
+        clone becomes this state's sampler.  Without ``patches/0012`` (a stock libllama) the
+        clone cannot refuse: the token is taken as allowed, as llama.cpp itself would."""
+        C, fn = self._C, _try_accept_fn()
+        twin = C.llama_sampler_clone(self._h)
+        if fn is None:
+            C.llama_sampler_accept(twin, token)
+            ok = True
+        else:
+            ok = bool(fn(twin, token))
+        if ok and keep:
+            C.llama_sampler_free(self._h)
+            self._h = twin
+        else:
+            C.llama_sampler_free(twin)
+        return ok
+
+    def _refused_triggers(self, row: np.ndarray) -> np.ndarray:
+        """The ids, among the row's finite logits, of the tokens that would set the waiting grammar
+        off with text it does not allow (only tokens whose text can complete a trigger word after
+        the accepted text's tail are tested)."""
+        ids = _trigger_index(self.model, self._triggers).candidates(self._tail)
+        ids = ids[ids < len(row)]
+        ids = ids[np.isfinite(row[ids])] if len(ids) else ids
+        return np.asarray([t for t in ids.tolist() if not self._allows_trigger(t)], dtype=np.int64)
 
     def mask(self, row: np.ndarray, need: int = 0) -> None:
         """Forbidden tokens' logits → -inf, in place (the first n_vocab entries of ``row``).
@@ -264,6 +313,10 @@ class GrammarState:
         row keeps just the allowed candidates (everything else → -inf): the
         same best ``need`` tokens with the same logits as the full mask, for a
         fraction of its cost.  Otherwise the whole vocabulary is checked."""
+        if self._awaiting:
+            refused = self._refused_triggers(row)
+            if len(refused):
+                row[refused] = -np.inf
         if need > 0 and self._mask_best(row, need):
             return
         n = min(len(row), len(self._buf))
@@ -312,11 +365,58 @@ class GrammarState:
         return True
 
     def accept(self, token: int) -> None:
-        self._C.llama_sampler_accept(self._h, int(token))
+        """Advance by ``token``; MarsError where the grammar does not allow it (callers accept only
+        tokens :meth:`mask` left finite: this is the clear error of a broken promise, where
+        llama.cpp would abort the process)."""
+        if not self.try_accept(token):
+            shown = self.model.piece(int(token), special=True).decode("utf-8", "replace")
+            raise MarsError(f"the grammar does not allow the token {shown!r} here")
+
+    def try_accept(self, token: int) -> bool:
+        """Advance by ``token`` where the grammar allows it; False where not: for a token that
+        would set a waiting lazy grammar off, with the state unchanged; for any other token
+        (one :meth:`mask` would have set to -inf), the state is unusable after it."""
+        token = int(token)
+        if self._broken:
+            return False
         if self._awaiting:
-            text = self._tail + self.model.piece(int(token), special=True)
-            self._awaiting = not self._triggering(text)
-            self._tail = text[-max(map(len, self._triggers)):] if self._awaiting else b""
+            text = self._tail + self.model.piece(token, special=True)
+            if not self._triggering(text):
+                self._C.llama_sampler_accept(self._h, token)  # buffered text only: it cannot refuse
+                self._tail = text[-max(map(len, self._triggers)):]
+                return True
+            if self._sets_off.get((self._tail, token)) is False or not self._accept_on_clone(token, keep=True):
+                self._sets_off[(self._tail, token)] = False
+                return False
+            self._awaiting, self._tail = False, b""
+            return True
+        if self.model.is_eog(token) or not 0 <= token < len(self._buf):
+            if not self._allows(token):  # llama.cpp aborts (GGML_ABORT) on an end the grammar forbids
+                return False
+        fn = _try_accept_fn()
+        if fn is None:
+            self._C.llama_sampler_accept(self._h, token)
+        elif not fn(self._h, token):
+            # a token the grammar forbids: callers accept only tokens mask() left finite, so this is a
+            # bug's path; its refusal emptied the sampler's stacks, which refuse everything from now on
+            self._broken = True
+            return False
+        return True
+
+    def _allows(self, token: int) -> bool:
+        """Whether the (constraining) grammar allows ``token`` next: llama.cpp's own check of one
+        candidate, which accepting an allowed token then passes (an end-of-generation token
+        only where the grammar is complete, as llama.cpp's accept demands)."""
+        if not 0 <= token < len(self._buf):
+            return False
+        if self._one is None:
+            self._one = np.zeros(1, dtype=self._buf.dtype)
+            self._one_arr = self._C.llama_token_data_array(self._one.ctypes.data_as(self._C.llama_token_data_p), 1, -1, False)
+        one, arr = self._one, self._one_arr
+        one[0] = (token, 0.0, 0.0)
+        arr.size, arr.selected, arr.sorted = 1, -1, False
+        self._C.llama_sampler_apply(self._h, ctypes.byref(arr))
+        return one[0]["logit"] != -np.inf
 
     def close(self) -> None:
         if getattr(self, "_h", None):
@@ -328,3 +428,65 @@ class GrammarState:
             self.close()
         except Exception:
             pass
+
+
+_TRY_ACCEPT = "llama_sampler_try_accept"  # patches/0012
+_try_accept: list = []  # [the function, or None where the loaded libllama lacks it], once looked up
+
+
+def _try_accept_fn():
+    if not _try_accept:
+        from ..llama.backend import C
+
+        lib = getattr(C, "_lib", None)
+        fn = None
+        if lib is not None and hasattr(lib, _TRY_ACCEPT):
+            fn = lib[_TRY_ACCEPT]
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+            fn.restype = ctypes.c_bool
+        _try_accept.append(fn)
+    return _try_accept[0]
+
+
+class _TriggerIndex:
+    """Which tokens of a vocabulary can complete one of a lazy grammar's trigger words: those whose
+    text holds a whole word, and per proper prefix w[:j] of a word the tokens whose text starts
+    with the rest w[j:] (they complete it after a text ending in w[:j])."""
+
+    def __init__(self, pieces: list[bytes], words: tuple[bytes, ...]):
+        self.whole = {t for t, p in enumerate(pieces) if any(w in p for w in words)}
+        order = sorted(range(len(pieces)), key=pieces.__getitem__)
+        keys = [pieces[t] for t in order]
+        self.rest: dict[bytes, set[int]] = {}
+        for w in words:
+            for j in range(1, len(w)):
+                i = bisect.bisect_left(keys, w[j:])  # the texts starting with w[j:] sort together
+                while i < len(keys) and keys[i].startswith(w[j:]):
+                    self.rest.setdefault(w[:j], set()).add(order[i])
+                    i += 1
+        self._cache: dict[bytes, np.ndarray] = {}
+
+    def candidates(self, tail: bytes) -> np.ndarray:
+        ids = self._cache.get(tail)
+        if ids is None:
+            got = set(self.whole)
+            for head, toks in self.rest.items():
+                if tail.endswith(head):
+                    got |= toks
+            ids = self._cache[tail] = np.asarray(sorted(got), dtype=np.int64)
+        return ids
+
+
+_indexes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {words: _TriggerIndex}
+_indexes_lock = threading.Lock()
+
+
+def _trigger_index(model, words: tuple[bytes, ...]) -> _TriggerIndex:
+    """The model's :class:`_TriggerIndex` for ``words``, built once (one pass over the vocabulary)."""
+    with _indexes_lock:
+        per_model = _indexes.setdefault(model, {})
+        index = per_model.get(words)
+        if index is None:
+            pieces = [model.piece(t, special=True) for t in range(model.n_vocab)]
+            index = per_model[words] = _TriggerIndex(pieces, words)
+    return index

@@ -46,7 +46,7 @@ class DraftSteps:
             tok = sample_from(q, position_uniforms(d.seed, len(tokens) + len(self.out), 1, stream=1)[0, 0])
         else:
             tok = int(row.argmax())
-        if self.win is not None and not self.win.push(tok, row, drafting=True):
+        if self.win is not None and not self.win.push(tok, row):
             return False
         if self.sampled:
             self.probs.append(q)

@@ -376,27 +376,72 @@ def test_grammars_too_deep_for_llama_cpp_are_refused_before_it_parses_them(plain
     check_grammar_text(json_grammar())
 
 
-def test_a_drafter_stops_before_a_token_that_would_set_a_lazy_grammar_off(plain):
-    """llama.cpp replays the rest of a triggering token's text into the grammar and aborts the
-    process where that rest is not allowed (" hello" completes the trigger "h", then "ello" is not
-    a digit).  Whether it is allowed is the target's business: a drafter's walk stops before such a
-    token and never accepts it; other tokens keep the grammar waiting, and after the trigger the
-    grammar constrains as before."""
+def test_a_waiting_lazy_grammar_forbids_a_token_that_would_set_it_off_with_text_it_does_not_allow(plain):
+    """llama.cpp replays the rest of a triggering token's text into the grammar and throws where
+    that rest is not allowed, which through its C API aborts the process (" hello" completes the
+    trigger "h", then "ello" is not a digit).  Waiting for its trigger, the grammar forbids such a
+    token (mask: -inf; try_accept: False, the state unchanged; accept: MarsError) and nothing else;
+    after the trigger it constrains as before."""
     model = plain.target
     hello, x, h, five = (next(t for t in range(model.n_vocab) if plain.piece(t) == p) for p in (b" hello", b"x", b"h", b"5"))
     g = GrammarState(model, 'root ::= "h" [0-9]', triggers=("h",))
-    assert g.triggered_by(hello) and not g.triggered_by(x)
+    assert g.triggered_by(hello) and g.triggered_by(h) and not g.triggered_by(x)
+    row = np.zeros(model.n_vocab, dtype=np.float32)
+    g.mask(row)
+    assert not np.isfinite(row[hello]) and np.isfinite(row[h]) and np.isfinite(row[x])
+    refused = {t for t in range(model.n_vocab) if not np.isfinite(row[t])}
+    assert refused and all(b"h" in plain.piece(t, special=True) for t in refused)  # only triggering tokens
+    best = np.zeros(model.n_vocab, dtype=np.float32)
+    best[hello], best[x] = 9.0, 5.0
+    g.mask(best, 1)  # greedy reads the best allowed token: not " hello"
+    assert int(best.argmax()) == x and not np.isfinite(best[hello])
     ctl = Controls(GenerateConfig(grammar='root ::= "h" [0-9]'), plain.eog_ids, g)
     w = ctl.window([])
-    row = np.zeros(model.n_vocab, dtype=np.float32)
-    w.apply(row)
-    assert np.isfinite(row[hello])  # waiting for its trigger, the grammar masks nothing
-    assert w.push(x, row, drafting=True)  # an ordinary token: accepted, still waiting
-    assert not w.push(hello, row, drafting=True)  # the drafter stops here (accepting it would abort)
-    assert w.grammar.triggered_by(hello) and len(w.history) == 1
+    free = np.zeros(model.n_vocab, dtype=np.float32)  # a row processed for its best token only may
+    assert not w.push(hello, free)                      # leave it finite: the walk still stops there
+    assert w.push(x, free) and len(w.history) == 1 and w.grammar.triggered_by(h)
+    assert not g.try_accept(hello) and g.triggered_by(h)  # refused, still waiting
+    with pytest.raises(MarsError, match="does not allow"):
+        g.accept(hello)
     g.accept(h)  # the committed text sets it off: from now on only a digit
     assert not g.triggered_by(hello)
     row = np.zeros(model.n_vocab, dtype=np.float32)
     g.mask(row)
     assert np.isfinite(row[five]) and not np.isfinite(row[hello]) and not np.isfinite(row[x])
+    bad = g.clone()
+    assert not bad.try_accept(x) and not bad.try_accept(five)  # refused, and unusable after it
+    with pytest.raises(MarsError, match="does not allow"):
+        bad.accept(five)
+    bad.close()
+    assert g.try_accept(five)
     w.close()
+
+
+def test_output_that_would_set_a_lazy_grammar_off_badly_takes_another_token(plain, spec, ngram):
+    """The free output's own token at some position completes the trigger word and brings text the
+    grammar refuses (llama.cpp would abort the process there): plain, speculative and batched
+    decoding all take the best allowed token instead, and strict speculation still equals plain."""
+    free = plain.generate(PROMPTS[0], max_tokens=40)
+    pieces = [plain.piece(t).decode("utf-8", "replace") for t in free.tokens]
+    for i, pc in enumerate(pieces):
+        word = pc.strip()[:-1]
+        before = "".join(pieces[:i])
+        if word.isalpha() and pc[-1].isalpha() and word not in before:  # first written by token i, a letter after it
+            break
+    else:
+        pytest.fail(f"no token of the free output fits: {pieces}")
+    lazy = dict(grammar=f'root ::= "{word}" [0-9] [0-9] "."', grammar_triggers=(word,))
+    ref = plain.generate(PROMPTS[0], max_tokens=60, **lazy)
+    assert ref.tokens[:i] == free.tokens[:i] and ref.tokens[i] != free.tokens[i]
+    cut = ref.text.find(word, len(before))
+    assert cut < 0 or re.fullmatch(r"[0-9]{2}\.", ref.text[cut + len(word):]), ref.text
+    from mars_local.speculate.batched import Scheduler
+
+    for eng in (spec, ngram):
+        assert eng.generate(PROMPTS[0], max_tokens=60, verify="strict", draft_max=4, **lazy).tokens == ref.tokens
+        sch = Scheduler(eng, 3)
+        try:
+            many = sch.generate_many([PROMPTS[1], PROMPTS[0], PROMPTS[2]], max_tokens=60, verify="strict", **lazy)
+        finally:
+            sch.close()
+        assert many[1].tokens == ref.tokens
