@@ -112,17 +112,23 @@ class Server:
     """A server process whose output (stdout and stderr) is read by a thread into
     its last lines, so the pipe never fills."""
 
-    def __init__(self, name: str, cmd: list[str]):
+    def __init__(self, name: str, cmd: list[str], servers: list["Server"]):
+        """Start it and add it to ``servers`` (the ones stopped at the end), Ctrl-C held back
+        meanwhile: interrupted between its fork and this list, it would outlive the bench."""
         self.name, self.cmd = name, cmd
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
         self.url: str | None = None  # base URL, without /v1
         self._ready_url = threading.Event()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, errors="replace",
                                          start_new_session=True)  # Ctrl-C reaches us, not it: we stop it
+            servers.append(self)
         except OSError as exc:
             raise BenchError(f"cannot start {name}: {exc}") from None
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -178,6 +184,11 @@ class Server:
                 self.proc.wait()
             except OSError:
                 pass
+
+
+def stop_all(servers: list[Server]) -> None:
+    for s in servers:
+        s.stop()
 
 
 def free_port() -> int:
@@ -512,8 +523,7 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, row
         print(f"serve_bench: {msg}", file=sys.stderr, flush=True)
 
     def mars_row(config: str, parallel: int, ns: list[int], rnd: int) -> None:
-        srv = Server(f"mars serve (--parallel {parallel})", mars_command(a, max(ns), parallel))
-        servers.append(srv)
+        srv = Server(f"mars serve (--parallel {parallel})", mars_command(a, max(ns), parallel), servers)
         commands[f"mars serve, --parallel {parallel}"] = shlex.join(srv.cmd)
         srv.wait_ready_line(a.startup_timeout)
         warm_up(a, config, srv.url, prompts)
@@ -525,8 +535,7 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, row
     def llama_row(config: str, n: int, rnd: int) -> None:
         port = free_port()
         cmd = llama.command(a, config == "llama-server spec", n, port)
-        srv = Server(f"llama-server ({config.split()[1]}, -np {n})", cmd)
-        servers.append(srv)
+        srv = Server(f"llama-server ({config.split()[1]}, -np {n})", cmd, servers)
         commands[f"{config}, -np {n}"] = shlex.join(cmd)
         srv.wait_health(f"http://127.0.0.1:{port}", a.startup_timeout)
         warm_up(a, config, srv.url, prompts)
@@ -663,8 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         stop.set()
-        for s in servers:
-            s.stop()
+        stop_all(servers)
     rows = result["rows"]
     print(table(rows))
     print()
@@ -685,4 +693,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == 130:
+        # a row cut short leaves client threads in their requests (until the stopped servers'
+        # sockets close them), which the interpreter would wait for: an interrupted bench ends now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
