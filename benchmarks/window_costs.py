@@ -18,12 +18,14 @@ import sys
 import time
 
 
-def forward_costs(path: str, windows, reps: int = 5, threads: int | None = 2, exact: bool = True,
+def forward_costs(path, windows, reps: int = 5, threads: int | None = 2, exact: bool = True,
                   prompt_len: int = 481, n_ctx: int = 1024) -> dict:
+    """``path``: a model file (loaded with repacking off where ``exact``), or a loaded Model (closed
+    here)."""
     from mars_local.llama.context import Context
     from mars_local.llama.runtime import Model
 
-    m = Model(path, None, exact_kernels=exact)
+    m = path if isinstance(path, Model) else Model(path, None, exact_kernels=exact)
     ctx = Context(m, n_ctx=n_ctx, n_threads=threads)
     try:
         vocab = m.n_vocab

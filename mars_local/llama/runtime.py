@@ -221,6 +221,7 @@ class Model:
             raise MarsError(f"cannot load GGUF model {p}" + (f": {reason}" if reason else " (corrupt or truncated?)"))
         self.path = str(p)
         self.offloaded = can_offload and n_gpu_layers != 0
+        self.exact_kernels = bool(exact_kernels)  # loaded without llama.cpp's weight repacking
         # exact kernels on the CPU of a build that has a GPU: llama.cpp would send a CPU layer's
         # forwards of 32+ rows to the GPU ("op offload"), whose kernels sum otherwise (context.py)
         self.cpu_exact_on_gpu_build = bool(exact_kernels) and not self.offloaded and gpu_offload_supported()

@@ -52,3 +52,19 @@ def test_the_script_measures_both_models_and_writes_its_table(tiny_target, tiny_
     assert set(map(int, data["rounds"][0]["draft_ms"])) == {1, 2}
     assert len(data["rounds"][0]["target_ms"]) == len(sb.TARGET_ROWS)
     assert "spec / plain" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_target_is_loaded_as_mars_loads_it(smollm2, tiny_draft, tmp_path, monkeypatch, invariant):
+    # repacked or not as the learned store's verdict for this (file, build) says, as mars serve loads it
+    from mars_local.speculate.learned import default_store
+    from mars_local.speculate.repack import repack_key
+
+    monkeypatch.setenv("MARS_STATE_DIR", str(tmp_path / "state"))
+    store = default_store()
+    store.put(repack_key(smollm2), {"invariant": invariant})
+    store.save()
+    out = tmp_path / "b.json"
+    assert sb.main([str(smollm2), "-md", str(tiny_draft), "-t", "1", "--clients", "1", "--alphas", "0.5",
+                    "--rounds", "1", "--reps", "1", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["rounds"][0]["target_repacked"] is invariant
