@@ -2,7 +2,7 @@
 
 Strict greedy speculative output equals plain greedy output only if a row computed in a verify
 window of k+1 rows is bit-identical to the same row computed alone (a plain decoding step).  Stock
-llama.cpp sends those two through different kernels; our patches (patches/0002-0011) choose, per
+llama.cpp sends those two through different kernels; our patches (patches/0002-0011, 0013-0014) choose, per
 weight type, kernels whose summation order does not depend on the batch size.  What each choice
 costs against stock llama.cpp is measured by ``benchmarks/kernel_costs.py`` (BENCHMARKS.md, one
 table per CPU).  This module only *describes* the choice for a build, from llama.cpp's system-info
@@ -40,10 +40,11 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     cols = "AVX2" in feats or "AVX512" in feats  # the K-quant column kernels (patches/0004, 0006) are AVX2 code
     tiled_q5 = cols and "FMA" in feats  # patches/0008: the tiled kernel's float steps are fused
     return {
-        "F16, BF16, F32": "tinyBLAS at every batch size (one row in 8x1 tiles; windows and prompts "
-                          "in stock's tiles, the same sum per element)",
+        "F16, BF16, F32": "tinyBLAS at every batch size (one row in 8x1 tiles, each prefetching the next "
+                          "tile's rows, patches/0013; windows and prompts in stock's tiles, the same sum per element)",
         "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
-                                    "the tile)",
+                                    "the tile; one row in 8x1 tiles, each prefetching the next tile's rows, "
+                                    "patches/0014)",
         **({("Q4_K, Q6_K" if tiled_q5 else "Q4_K, Q5_K, Q6_K"):
             "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight row (patches/0004, "
             "0006: each result summed as the dot kernel sums it alone; 0007: a large matrix read once), tiled above"}

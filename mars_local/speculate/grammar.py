@@ -385,8 +385,8 @@ class GrammarState:
                 self._C.llama_sampler_accept(self._h, token)  # buffered text only: it cannot refuse
                 self._tail = text[-max(map(len, self._triggers)):]
                 return True
-            if self._sets_off.get((self._tail, token)) is False or not self._accept_on_clone(token, keep=True):
-                self._sets_off[(self._tail, token)] = False
+            # the clone's answer is kept (_allows_trigger); the success path runs once per generation
+            if not self._allows_trigger(token) or not self._accept_on_clone(token, keep=True):
                 return False
             self._awaiting, self._tail = False, b""
             return True
