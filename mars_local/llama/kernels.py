@@ -43,8 +43,8 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
         "F16, BF16, F32": "tinyBLAS at every batch size (one row in 8x1 tiles, each prefetching the next "
                           "tile's rows, patches/0013; windows and prompts in stock's tiles, the same sum per element)",
         "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
-                                    "the tile; one row in 8x1 tiles, each prefetching the next tile's rows, "
-                                    "patches/0014)",
+                                    "the tile; one row in 8x1 tiles and windows in 4xN tiles, each prefetching "
+                                    "the next row tile, patches/0014)",
         **({("Q4_K, Q6_K" if tiled_q5 else "Q4_K, Q5_K, Q6_K"):
             "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight row (patches/0004, "
             "0006: each result summed as the dot kernel sums it alone; 0007: a large matrix read once), tiled above"}
