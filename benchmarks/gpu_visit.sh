@@ -63,7 +63,7 @@ run)
     # where a GPU round's time goes: forwards of one size repeated (CUDA graphs replayed) against
     # the rounds' own decodes (sizes that change from round to round)
     step window-costs
-    timeout 35 python3 benchmarks/window_costs.py "$T" -md "$D" --windows 1,2,3,5,9,17 --reps 5
+    timeout 45 python3 benchmarks/window_costs.py "$T" -md "$D" --windows 1,2,3,5,9,17 --reps 5 --interleave
     step round-profile
     timeout 60 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel 1,2,4,16 -n 48 -t 2 \
         --json "$OUT/rp-spec.json"

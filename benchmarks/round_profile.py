@@ -8,9 +8,11 @@ For each N it decodes N bench prompts at once through one :class:`mars_local.Sch
 (greedy; plain rounds unless a draft is given), after a short warm-up batch, and splits the
 wall time per round into: the target's decodes of windows (the rounds' forwards), its prefill
 decodes (joining prompts), the draft model's decodes, and the rest (Python: verification,
-bookkeeping, emission).  On a GPU, where a round's forward takes milliseconds, the rest and
-the prefill forwards are what a plain batched server pays beyond llama-server's (BENCHMARKS.md,
-"On a GPU, second visit").
+bookkeeping, emission).  Each timed decode waits for its forward to finish
+(llama_synchronize): a GPU backend's llama_decode returns once the forward is queued, and
+without the wait the GPU's time would land in "rest", where the logits are read (as it did
+in the H100 visit's profile, BENCHMARKS.md).  "tokens a round" is all sequences' tokens
+over the rounds (N when every round is plain).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class DecodeClock:
             self._wrap(sch.dmc, lambda: "draft")
 
     def _wrap(self, mc, part) -> None:
+        from mars_local.llama.backend import C
+
         real = mc._decode
 
         def decode(parts):
@@ -52,6 +56,9 @@ class DecodeClock:
             try:
                 return real(parts)
             finally:
+                # a GPU backend's llama_decode returns once the forward is queued, and the wait
+                # for it would be counted where its logits are read ("rest"): wait here instead
+                C.llama_synchronize(mc._ctx)
                 self.spent[part()] += time.perf_counter() - t0
 
         mc._decode = decode
@@ -80,6 +87,7 @@ def profile(eng, n_parallel: int, prompts: list, n: int) -> dict:
     tokens = sum(len(o.tokens) for o in outs)
     return {"parallel": n_parallel, "rounds": rounds, "tokens": tokens, "seconds": wall,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "tokens_per_round": tokens / rounds,  # all sequences' (N a round when plain)
             "ms_per_round": {k: 1e3 * v / rounds for k, v in spent.items()},
             "wall_ms_per_round": 1e3 * wall / rounds}
 
@@ -119,13 +127,14 @@ def main(argv=None) -> int:
         every = [eng.chat_prompt(p.messages) for p in load_prompts()]
         need = 2 * max(ns)
         prompts = (every * (need // len(every) + 1))[:need]
-        print("| N | rounds | tok/s | ms a round | windows | prefill | draft | rest (Python) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| N | rounds | tokens a round | tok/s | ms a round | windows | prefill | draft | rest (Python) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n_par in ns:
             r = profile(eng, n_par, prompts, a.n)
             rows.append(r)
             ms = r["ms_per_round"]
-            print(f"| {n_par} | {r['rounds']} | {r['tokens_per_s']:.1f} | {r['wall_ms_per_round']:.2f} | "
+            print(f"| {n_par} | {r['rounds']} | {r['tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} | "
+                  f"{r['wall_ms_per_round']:.2f} | "
                   + " | ".join(f"{ms[k]:.2f}" for k in PARTS) + " |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"backend": backend_info(), "target": a.target, "draft": a.model_draft,

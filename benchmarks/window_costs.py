@@ -19,9 +19,12 @@ import time
 
 
 def forward_costs(path, windows, reps: int = 5, threads: int | None = 2, exact: bool = True,
-                  prompt_len: int = 481, n_ctx: int = 1024) -> dict:
+                  prompt_len: int = 481, n_ctx: int = 1024, interleave: bool = False) -> dict:
     """``path``: a model file (loaded with repacking off where ``exact``), or a loaded Model (closed
-    here)."""
+    here).  ``interleave``: also time the sizes in turn (one forward of each size, ``reps``
+    cycles), as rounds whose window changes from one to the next run them: a GPU backend
+    replays a captured CUDA graph only for a forward shaped like the one before it, so a
+    size repeated (the main figures) can cost less there than the same size between others."""
     from mars_local.llama.context import Context
     from mars_local.llama.runtime import Model
 
@@ -48,7 +51,17 @@ def forward_costs(path, windows, reps: int = 5, threads: int | None = 2, exact: 
                 if r:
                     ts.append(dt)
             out[w] = statistics.median(ts)
-        return {"prefill_tok_s": prefill, "forward_s": out}
+        result = {"prefill_tok_s": prefill, "forward_s": out}
+        if interleave:
+            turns = {w: [] for w in windows}
+            for _ in range(reps):
+                for w in windows:
+                    t0 = time.perf_counter()
+                    ctx.eval(toks[:w], w)
+                    turns[w].append(time.perf_counter() - t0)
+                    ctx.truncate(base)
+            result["interleaved_s"] = {w: statistics.median(ts) for w, ts in turns.items()}
+        return result
     finally:
         ctx.close()
         m.close()
@@ -63,17 +76,21 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=481)
     ap.add_argument("--fast-kernels", action="store_true", help="load the target with weight repacking on")
+    ap.add_argument("--interleave", action="store_true",
+                    help="also time the sizes in turn (each between others, as adaptive rounds run them)")
     a = ap.parse_args(argv)
     windows = [int(x) for x in a.windows.split(",")]
     for label, path, exact in (("target", a.target, not a.fast_kernels), ("draft", a.model_draft, False)):
         if path is None:
             continue
-        r = forward_costs(path, windows, a.reps, a.threads, exact, a.prompt_len)
+        r = forward_costs(path, windows, a.reps, a.threads, exact, a.prompt_len, interleave=a.interleave)
         one = r["forward_s"][windows[0]]
         print(f"{label}: {path}")
         print(f"  prefill {a.prompt_len} tokens: {r['prefill_tok_s']:.1f} tok/s")
+        turns = r.get("interleaved_s", {})
         for w, t in r["forward_s"].items():
-            print(f"  w={w:3d}: {t * 1e3:8.2f} ms  {t / one:5.2f}x w={windows[0]}")
+            between = f"   in turn: {turns[w] * 1e3:8.2f} ms" if w in turns else ""
+            print(f"  w={w:3d}: {t * 1e3:8.2f} ms  {t / one:5.2f}x w={windows[0]}{between}")
     return 0
 
 

@@ -18,6 +18,7 @@ def test_the_parts_of_a_round_add_up_to_its_wall_time(tiny_target, tiny_draft, t
     for r in rows:
         ms = r["ms_per_round"]
         assert r["tokens"] == 10 * r["parallel"] and r["rounds"] >= 1
+        assert r["tokens_per_round"] == pytest.approx(r["tokens"] / r["rounds"])
         assert sum(ms.values()) == pytest.approx(r["wall_ms_per_round"], rel=1e-6)
         assert ms["windows"] > 0 and ms["prefill"] > 0 and ms["draft"] > 0 and ms["rest"] >= 0
     table = capsys.readouterr().out
