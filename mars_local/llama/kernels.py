@@ -27,7 +27,8 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     if backend != "cpu":
         return {"all": f"{backend} kernels for offloaded layers, verify windows and batched rounds kept "
                        "within 16 rows a forward (on an H200 windows and batches of up to 16-17 rows matched single rows bit for bit "
-                       "and 32-33 did not; a round of more rows takes several forwards; --fast-kernels lifts the "
+                       "and 32-33 did not; on an H100 8 batched sequences decoded so equalled plain greedy 8 of 8, "
+                       "as one 32-row forward 7 of 8; a round of more rows takes several forwards; --fast-kernels lifts the "
                        "bound); not guaranteed on other GPUs: check one with benchmarks/batch_invariance.py. A "
                        "target loaded with -ngl 0 takes the CPU's exact kernels, its 32+-row forwards kept off the GPU"}
     x86 = bool(feats & {"AVX", "AVX2", "AVX512"})

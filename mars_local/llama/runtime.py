@@ -33,6 +33,9 @@ MAX_INVARIANT_ROWS = SETTINGS["draft_max"].hi + 1
 # to single rows for F16, Q4_K_M and Q4_1 weights, 33-row ones were not; strict greedy with 4
 # sequences of 4 rows (16 in one forward) equalled plain greedy on 8 of 8 prompts, with 8 sequences
 # of 4 rows (32) on 6 of 8.  Above it llama.cpp's GPU matrix kernels change (cuBLAS, tile sizes).
+# Checked on an H100 with the bound in force (BENCHMARKS.md "third visit"): 8 sequences of 4-row
+# windows, decoded as 16-row forwards, equalled plain greedy on 8 of 8 prompts; as one 32-row
+# forward (--fast-kernels) on 7 of 8.
 GPU_INVARIANT_ROWS = 16
 
 
