@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# What a lent GPU machine runs, in two `device` calls made back to back (the machine stays
+# What a lent GPU machine runs, in three `device` calls made back to back (the machine stays
 # warm 30 s between them; the kit comes from benchmarks/build_cuda_kit.sh, in two pieces).
 #
 #   bash benchmarks/gpu_visit.sh setup     (carry .devkit-a: unpack the build, wheels, bindings, model piece 1)
-#   bash benchmarks/gpu_visit.sh run 2>&1 | tee $OUT/run.log   (carry .devkit-b: model piece 2, the stand-in, the checks)
+#   bash benchmarks/gpu_visit.sh run 2>&1 | tee $OUT/run.log   (carry .devkit-b: model piece 2, the stand-ins,
+#                                                              the F16 sweep, strict == plain)
+#   bash benchmarks/gpu_visit.sh more 2>&1 | tee $OUT/more.log (window costs in turn, round profiles, the Q4_K_M sweep)
 #
 # Results go to $OUT (the device tool's folder).  Each step has a time limit, so one that
-# hangs costs its limit, not the call.  Everything runs from the repository root there.
+# hangs costs its limit, not the call; the three calls fit a 15-minute device budget (the H100
+# visit: setup 40 s with the machine's start, the F16 sweep ~6 minutes, the rest ~5).  Everything runs from the repository root there.
 set -u
 K=${KIT:-/root/kit}
 S=${STANDIN:-/root/standin}
@@ -45,30 +48,40 @@ run)
     fi
     python3 -c "import llama_cpp, mars_local.server.app; print('gpu offload:', llama_cpp.llama_supports_gpu_offload())" || exit 3
     step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
-    timeout 90 python3 benchmarks/make_standin.py --cache "$S" -t 16 --no-kquant
+    timeout 120 python3 benchmarks/make_standin.py --cache "$S" -t 16   # F16 and the narrow Q4_K_M
     ls -la "$S"
     # issue 23: the serving sweep against llama-server, every layer on the GPU (first: the record
-    # the issue asks for; a step cut by its limit still writes the rows it measured)
+    # the issue asks for; a step cut by its limit still writes the rows it measured; on the H100
+    # the whole sweep took ~6 minutes)
     step serve-sweep
-    timeout 270 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2,4,8,16 --requests 3 -n 48 \
+    timeout 360 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2,4,8,16 --requests 3 -n 48 \
         -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
         --json "$OUT/serve-sweep-F16.json"
     # issue 25: strict == plain with the 16-row bound (8 sequences x 4-row windows = 32 rows, decoded
     # as 16-row forwards), and without it (--fast-kernels: one 32-row forward)
     step strict-vs-plain
-    timeout 70 python3 benchmarks/strict_vs_plain.py "$T" "$D" -n 64 --prompts 8 --draft-max 3 --parallel 8 \
+    timeout 45 python3 benchmarks/strict_vs_plain.py "$T" "$D" -n 64 --prompts 8 --draft-max 3 --parallel 8 \
         --json "$OUT/svp-P8.json"
-    timeout 50 python3 benchmarks/strict_vs_plain.py "$T" "$D" -n 64 --prompts 8 --draft-max 3 --parallel 8 \
+    timeout 40 python3 benchmarks/strict_vs_plain.py "$T" "$D" -n 64 --prompts 8 --draft-max 3 --parallel 8 \
         --fast-kernels --json "$OUT/svp-P8-fast.json"
+    step done
+    ;;
+more)  # a third call, right after run (the machine still warm: the stand-ins are there)
+    . "$K/env.sh"
     # where a GPU round's time goes: forwards of one size repeated (CUDA graphs replayed) against
-    # the rounds' own decodes (sizes that change from round to round)
+    # the same sizes in turn, as rounds whose k changes run them; the rounds' own split, each
+    # decode waited for
     step window-costs
     timeout 45 python3 benchmarks/window_costs.py "$T" -md "$D" --windows 1,2,3,5,9,17 --reps 5 --interleave
     step round-profile
     timeout 60 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel 1,2,4,16 -n 48 -t 2 \
         --json "$OUT/rp-spec.json"
     timeout 35 python3 benchmarks/round_profile.py "$T" --parallel 1,4,16 -n 48 -t 2 --json "$OUT/rp-plain.json"
+    step serve-sweep-Q4_K_M
+    timeout 170 python3 benchmarks/serve_bench.py -m "$S/smollm2-pad240-Q4_K_M.gguf" -md "$D" --clients 1,4,16 \
+        --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
+        --json "$OUT/serve-sweep-Q4_K_M.json"
     step done
     ;;
-*) echo "usage: $0 setup|run" >&2; exit 2 ;;
+*) echo "usage: $0 setup|run|more" >&2; exit 2 ;;
 esac
