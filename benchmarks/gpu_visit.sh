@@ -81,5 +81,38 @@ more)  # a third call, right after run (the machine still warm: the stand-ins ar
         --json "$OUT/serve-sweep-Q4_K_M.json"
     step done
     ;;
-*) echo "usage: $0 setup|run|more" >&2; exit 2 ;;
+graphs)  # instead of run: patches/0015 (one CUDA graph per forward shape) against stock's shared key
+    . "$K/env.sh"
+    imports || exit 3
+    step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
+    timeout 60 python3 benchmarks/make_standin.py --cache "$S" -t 16 --no-kquant
+    for key in per-shape shared; do
+        if [ $key = shared ]; then export MARS_CUDA_GRAPH_SHARED_KEY=1; else unset MARS_CUDA_GRAPH_SHARED_KEY; fi
+        step "window-costs, $key key"
+        timeout 40 python3 benchmarks/window_costs.py "$T" -md "$D" --windows 1,2,5,9 --reps 5 --interleave
+        step "round-profile, $key key"
+        timeout 40 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel 1,2,4 -n 48 -t 2 \
+            --json "$OUT/rp-spec-$key.json"
+    done
+    unset MARS_CUDA_GRAPH_SHARED_KEY
+    # the sweep: mars-local with the per-shape key, llama-server as stock builds it (the shared key)
+    step serve-sweep
+    timeout 330 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2,4,8 --requests 3 -n 48 \
+        -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
+        --peer-env MARS_CUDA_GRAPH_SHARED_KEY=1 --json "$OUT/serve-sweep-F16-graphs.json"
+    step done
+    ;;
+graphs2)  # after graphs: each server with the other key (what the patch does for each)
+    . "$K/env.sh"
+    step "serve-sweep, mars-local with the shared key"
+    MARS_CUDA_GRAPH_SHARED_KEY=1 timeout 80 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2 \
+        --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --no-peers --timeout 60 --startup-timeout 60 \
+        --json "$OUT/serve-sweep-F16-mars-shared.json"
+    step "serve-sweep, llama-server with the per-shape key"
+    timeout 140 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2 --requests 3 -n 48 \
+        -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
+        --json "$OUT/serve-sweep-F16-llama-per-shape.json"
+    step done
+    ;;
+*) echo "usage: $0 setup|run|more|graphs|graphs2" >&2; exit 2 ;;
 esac

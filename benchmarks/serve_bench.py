@@ -112,7 +112,7 @@ class Server:
     """A server process whose output (stdout and stderr) is read by a thread into
     its last lines, so the pipe never fills."""
 
-    def __init__(self, name: str, cmd: list[str], servers: list["Server"]):
+    def __init__(self, name: str, cmd: list[str], servers: list["Server"], env: dict[str, str] | None = None):
         """Start it and add it to ``servers`` (the ones stopped at the end), Ctrl-C held back
         meanwhile: interrupted between its fork and this list, it would outlive the bench."""
         self.name, self.cmd = name, cmd
@@ -123,7 +123,8 @@ class Server:
         try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=subprocess.STDOUT, text=True, errors="replace",
-                                         start_new_session=True)  # Ctrl-C reaches us, not it: we stop it
+                                         start_new_session=True,  # Ctrl-C reaches us, not it: we stop it
+                                         env={**os.environ, **env} if env else None)
             servers.append(self)
         except OSError as exc:
             raise BenchError(f"cannot start {name}: {exc}") from None
@@ -430,6 +431,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-bin", default=str(DEFAULT_LLAMA_BIN),
                    help="Folder with llama-server (default .cache/llama-bin, from benchmarks/build_llama_tools.sh).")
     p.add_argument("--no-peers", action="store_true", help="Skip llama-server.")
+    p.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="An environment variable for llama-server only, repeatable (e.g. "
+                        "MARS_CUDA_GRAPH_SHARED_KEY=1: stock llama.cpp's CUDA graph cache on a build "
+                        "with patches/0015)")
     p.add_argument("--fast-kernels", action="store_true",
                    help="mars serve --fast-kernels (on a GPU: batched forwards of any size instead of 16 rows at most).")
     p.add_argument("--json", default=None, metavar="OUT", help="Write all rows (and the settings) to this file.")
@@ -514,6 +519,14 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, row
             print(f"serve_bench: note: {note}", file=sys.stderr)
             notes.append(note)
     commands: dict[str, str] = {}
+    peer_env = {}
+    for item in a.peer_env:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise BenchError(f"--peer-env: expected NAME=VALUE, got {item!r}")
+        peer_env[name] = value
+    if peer_env:
+        notes.append("llama-server's environment adds " + " ".join(a.peer_env))
 
     def measured(row: dict) -> None:
         rows.append(row)
@@ -535,7 +548,7 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, row
     def llama_row(config: str, n: int, rnd: int) -> None:
         port = free_port()
         cmd = llama.command(a, config == "llama-server spec", n, port)
-        srv = Server(f"llama-server ({config.split()[1]}, -np {n})", cmd, servers)
+        srv = Server(f"llama-server ({config.split()[1]}, -np {n})", cmd, servers, env=peer_env)
         commands[f"{config}, -np {n}"] = shlex.join(cmd)
         srv.wait_health(f"http://127.0.0.1:{port}", a.startup_timeout)
         warm_up(a, config, srv.url, prompts)

@@ -67,6 +67,15 @@ def test_missing_model_is_one_line(tiny_draft, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_malformed_peer_env_is_one_line_before_any_server(tiny_target, tiny_draft):
+    p = bench("-m", tiny_target, "-md", tiny_draft, "--peer-env", "NOEQUALS", "--clients", "1")
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert lines == ["serve_bench: error: --peer-env: expected NAME=VALUE, got 'NOEQUALS'"], p.stderr
+    assert p.stdout == ""
+
+
+@pytest.mark.slow
 def test_server_that_fails_to_start_is_one_line(not_gguf, tiny_draft):
     p = bench("-m", not_gguf, "-md", tiny_draft, "--no-peers", "--clients", "1")
     assert p.returncode == 2
