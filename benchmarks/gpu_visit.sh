@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_visit.sh run 2>&1 | tee $OUT/run.log   (carry .devkit-b: model piece 2, the stand-ins,
 #                                                              the F16 sweep, strict == plain)
 #   bash benchmarks/gpu_visit.sh more 2>&1 | tee $OUT/more.log (window costs in turn, round profiles, the Q4_K_M sweep)
+#   bash benchmarks/gpu_visit.sh graphs / graphs2   (instead of run / more: patches/0015's per-shape CUDA
+#                                                    graph key, MARS_CUDA_GRAPH_KEY_PER_SHAPE=1, against stock's)
 #
 # Results go to $OUT (the device tool's folder).  Each step has a time limit, so one that
 # hangs costs its limit, not the call; the three calls fit a 15-minute device budget (the H100
@@ -81,37 +83,32 @@ more)  # a third call, right after run (the machine still warm: the stand-ins ar
         --json "$OUT/serve-sweep-Q4_K_M.json"
     step done
     ;;
-graphs)  # instead of run: patches/0015 (one CUDA graph per forward shape) against stock's shared key
+graphs)  # instead of run: patches/0015's per-shape CUDA graph key (opt-in) against stock's shared key
     . "$K/env.sh"
     imports || exit 3
     step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
     timeout 60 python3 benchmarks/make_standin.py --cache "$S" -t 16 --no-kquant
     for key in per-shape shared; do
-        if [ $key = shared ]; then export MARS_CUDA_GRAPH_SHARED_KEY=1; else unset MARS_CUDA_GRAPH_SHARED_KEY; fi
+        if [ $key = per-shape ]; then export MARS_CUDA_GRAPH_KEY_PER_SHAPE=1; else unset MARS_CUDA_GRAPH_KEY_PER_SHAPE; fi
         step "window-costs, $key key"
         timeout 40 python3 benchmarks/window_costs.py "$T" -md "$D" --windows 1,2,5,9 --reps 5 --interleave
         step "round-profile, $key key"
         timeout 40 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel 1,2,4 -n 48 -t 2 \
             --json "$OUT/rp-spec-$key.json"
     done
-    unset MARS_CUDA_GRAPH_SHARED_KEY
-    # the sweep: mars-local with the per-shape key, llama-server as stock builds it (the shared key)
+    # the sweep: both servers with the per-shape key (llama-server as stock builds it: graphs2)
     step serve-sweep
-    timeout 330 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2,4,8 --requests 3 -n 48 \
-        -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
-        --peer-env MARS_CUDA_GRAPH_SHARED_KEY=1 --json "$OUT/serve-sweep-F16-graphs.json"
+    MARS_CUDA_GRAPH_KEY_PER_SHAPE=1 timeout 330 python3 benchmarks/serve_bench.py -m "$T" -md "$D" \
+        --clients 1,2,4,8 --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 \
+        --startup-timeout 60 --json "$OUT/serve-sweep-F16-per-shape.json"
     step done
     ;;
-graphs2)  # after graphs: each server with the other key (what the patch does for each)
+graphs2)  # after graphs: both servers with stock's shared key
     . "$K/env.sh"
-    step "serve-sweep, mars-local with the shared key"
-    MARS_CUDA_GRAPH_SHARED_KEY=1 timeout 80 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2 \
-        --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --no-peers --timeout 60 --startup-timeout 60 \
-        --json "$OUT/serve-sweep-F16-mars-shared.json"
-    step "serve-sweep, llama-server with the per-shape key"
-    timeout 140 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2 --requests 3 -n 48 \
+    step "serve-sweep, the shared key"
+    timeout 330 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2,4,8 --requests 3 -n 48 \
         -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
-        --json "$OUT/serve-sweep-F16-llama-per-shape.json"
+        --json "$OUT/serve-sweep-F16-shared.json"
     step done
     ;;
 *) echo "usage: $0 setup|run|more|graphs|graphs2" >&2; exit 2 ;;
