@@ -509,6 +509,14 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, row
             raise BenchError(f"{flag}: no such file: {path}")
     prompts = load_prompts(a.prompts)
     notes: list[str] = []
+    peer_env = {}
+    for item in a.peer_env:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise BenchError(f"--peer-env: expected NAME=VALUE, got {item!r}")
+        peer_env[name] = value
+    if peer_env:
+        notes.append("llama-server's environment adds " + " ".join(a.peer_env))
     llama = None
     if not a.no_peers:
         try:
@@ -519,14 +527,6 @@ def run(a: argparse.Namespace, servers: list[Server], stop: threading.Event, row
             print(f"serve_bench: note: {note}", file=sys.stderr)
             notes.append(note)
     commands: dict[str, str] = {}
-    peer_env = {}
-    for item in a.peer_env:
-        name, eq, value = item.partition("=")
-        if not eq or not name:
-            raise BenchError(f"--peer-env: expected NAME=VALUE, got {item!r}")
-        peer_env[name] = value
-    if peer_env:
-        notes.append("llama-server's environment adds " + " ".join(a.peer_env))
 
     def measured(row: dict) -> None:
         rows.append(row)
