@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_visit.sh run 2>&1 | tee $OUT/run.log   (carry .devkit-b: model piece 2, the stand-ins,
 #                                                              the F16 sweep, strict == plain)
 #   bash benchmarks/gpu_visit.sh more 2>&1 | tee $OUT/more.log (window costs in turn, round profiles, the Q4_K_M sweep)
-#   bash benchmarks/gpu_visit.sh graphs / graphs2   (instead of run / more: patches/0015's per-shape CUDA
-#                                                    graph key, MARS_CUDA_GRAPH_KEY_PER_SHAPE=1, against stock's)
+#   bash benchmarks/gpu_visit.sh graphs / graphs2   (instead of run / more: patches/0015's CUDA graph
+#                                                    cache settings, MARS_CUDA_GRAPH_KEY_PER_SHAPE=0|1|8)
 #
 # Results go to $OUT (the device tool's folder).  Each step has a time limit, so one that
 # hangs costs its limit, not the call; the three calls fit a 15-minute device budget (the H100
@@ -83,32 +83,32 @@ more)  # a third call, right after run (the machine still warm: the stand-ins ar
         --json "$OUT/serve-sweep-Q4_K_M.json"
     step done
     ;;
-graphs)  # instead of run: patches/0015's per-shape CUDA graph key (opt-in) against stock's shared key
+graphs)  # instead of run: patches/0015's CUDA graph cache settings, mars-local alone (F16 stand-in)
+    # MARS_CUDA_GRAPH_KEY_PER_SHAPE: 0 stock's key; 1 one graph per shape; 8 the same, a shape
+    # captured only once it has run 8 times
     . "$K/env.sh"
     imports || exit 3
     step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
     timeout 60 python3 benchmarks/make_standin.py --cache "$S" -t 16 --no-kquant
-    for key in per-shape shared; do
-        if [ $key = per-shape ]; then export MARS_CUDA_GRAPH_KEY_PER_SHAPE=1; else unset MARS_CUDA_GRAPH_KEY_PER_SHAPE; fi
-        step "window-costs, $key key"
-        timeout 40 python3 benchmarks/window_costs.py "$T" -md "$D" --windows 1,2,5,9 --reps 5 --interleave
-        step "round-profile, $key key"
-        timeout 40 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel 1,2,4 -n 48 -t 2 \
-            --json "$OUT/rp-spec-$key.json"
+    for g in 0 1 8; do
+        step "window-costs, MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g"
+        MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g timeout 30 python3 benchmarks/window_costs.py "$T" -md "$D" \
+            --windows 1,2,5,9 --reps 5 --interleave
     done
-    # the sweep: both servers with the per-shape key (llama-server as stock builds it: graphs2)
-    step serve-sweep
-    MARS_CUDA_GRAPH_KEY_PER_SHAPE=1 timeout 330 python3 benchmarks/serve_bench.py -m "$T" -md "$D" \
-        --clients 1,2,4,8 --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 \
-        --startup-timeout 60 --json "$OUT/serve-sweep-F16-per-shape.json"
+    for g in 0 1 8; do
+        step "serve, MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g"
+        MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g timeout 110 python3 benchmarks/serve_bench.py -m "$T" -md "$D" \
+            --clients 1,2 --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --no-peers --repeat 2 --timeout 60 \
+            --startup-timeout 60 --json "$OUT/serve-F16-graphs$g.json"
+    done
     step done
     ;;
-graphs2)  # after graphs: both servers with stock's shared key
+graphs2)  # after graphs: the sweep, mars-local with MARS_CUDA_GRAPH_KEY_PER_SHAPE=${G:-8}, llama-server stock
     . "$K/env.sh"
-    step "serve-sweep, the shared key"
-    timeout 330 python3 benchmarks/serve_bench.py -m "$T" -md "$D" --clients 1,2,4,8 --requests 3 -n 48 \
-        -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 --startup-timeout 60 \
-        --json "$OUT/serve-sweep-F16-shared.json"
+    step "serve-sweep, mars-local with MARS_CUDA_GRAPH_KEY_PER_SHAPE=${G:-8}"
+    MARS_CUDA_GRAPH_KEY_PER_SHAPE=${G:-8} timeout 330 python3 benchmarks/serve_bench.py -m "$T" -md "$D" \
+        --clients 1,2,4,8 --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --llama-bin "$K/bin" --timeout 60 \
+        --startup-timeout 60 --peer-env MARS_CUDA_GRAPH_KEY_PER_SHAPE=0 --json "$OUT/serve-sweep-F16-g${G:-8}.json"
     step done
     ;;
 *) echo "usage: $0 setup|run|more|graphs|graphs2" >&2; exit 2 ;;

@@ -433,8 +433,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-peers", action="store_true", help="Skip llama-server.")
     p.add_argument("--peer-env", action="append", default=[], metavar="NAME=VALUE",
                    help="An environment variable for llama-server only, repeatable (e.g. "
-                        "MARS_CUDA_GRAPH_KEY_PER_SHAPE=1: patches/0015's CUDA graph cache, on a CUDA "
-                        "build of the patched tree)")
+                        "MARS_CUDA_GRAPH_KEY_PER_SHAPE=0: stock's CUDA graph cache for llama-server "
+                        "built from the patched tree, while mars serve runs with patches/0015's)")
     p.add_argument("--fast-kernels", action="store_true",
                    help="mars serve --fast-kernels (on a GPU: batched forwards of any size instead of 16 rows at most).")
     p.add_argument("--json", default=None, metavar="OUT", help="Write all rows (and the settings) to this file.")
