@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Optional
 
@@ -103,7 +104,7 @@ def pull(
 
 def doctor_report() -> dict:
     from .. import __version__
-    from ..llama.kernels import kernel_paths
+    from ..llama.kernels import cuda_graph_cache, kernel_paths
     from ..llama.runtime import backend_info
 
     info = backend_info()
@@ -135,6 +136,7 @@ def doctor_report() -> dict:
         "system_info": info["system_info"],
         # which exact (batch-invariant) kernels a verify window and a plain step take, per weight type
         "exact_kernels": kernel_paths(info["system_info"], info["backend"]),
+        "cuda_graphs": cuda_graph_cache(os.environ) if info["backend"] == "cuda" else None,
         "registry": registry,
         "models": {
             r["name"]: all(p["present"] for p in [r["target"]] + ([r["draft"]] if r["draft"] else [])) for r in rows
@@ -275,6 +277,7 @@ def _doctor_lines(rep: dict, servers) -> list[str]:
         "exact kernels:        one row and a verify window sum alike (strict == plain); costs vs stock: "
         "benchmarks/kernel_costs.py",
         *(f"  {types}: {path}" for types, path in rep["exact_kernels"].items()),
+        *([f"CUDA graphs:          {rep['cuda_graphs']}"] if rep.get("cuda_graphs") else []),
         f"learned state:        {len(learned['entries'])} entr{'y' if len(learned['entries']) == 1 else 'ies'}"
         f" in {learned['path']}" + (f" ({learned['problem']})" if learned["problem"] else "")
         + (f", {len(other)} of them from other llama.cpp builds" if other else "")

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["cpu_features", "kernel_paths"]
+__all__ = ["cpu_features", "cuda_graph_cache", "kernel_paths"]
+
+# patches/0015: how a CUDA build keeps the CUDA graphs its forwards are replayed from
+GRAPH_KEY_VAR = "MARS_CUDA_GRAPH_KEY_PER_SHAPE"
 
 
 def cpu_features(system_info: str) -> set[str]:
@@ -58,3 +61,16 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
                             "this CPU and build (learned state below; e.g. Q4_0 on a Zen 4, and Q4_K: "
                             "patches/0005 makes its 1-row kernel sum as its batch kernel does)",
     }
+
+
+def cuda_graph_cache(environ) -> str:
+    """What ``MARS_CUDA_GRAPH_KEY_PER_SHAPE`` in ``environ`` asks of a CUDA build's graph cache
+    (patches/0015), read as the patch reads it (C's atoi: leading digits, else 0)."""
+    m = re.match(r"\s*([+-]?\d+)", environ.get(GRAPH_KEY_VAR, ""))
+    n = int(m.group(1)) if m else 0
+    if n <= 0:
+        return (f"stock's: one graph for all of a context's forwards, which speculative rounds change the shape "
+                f"of ({GRAPH_KEY_VAR}=1: one graph per forward shape; off by default, see README)")
+    if n <= 2:
+        return f"one graph per forward shape ({GRAPH_KEY_VAR}={n})"
+    return f"one graph per forward shape, captured once that shape has run {n} times ({GRAPH_KEY_VAR}={n})"

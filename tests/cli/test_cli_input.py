@@ -131,6 +131,19 @@ def test_doctor_reports_a_sound_registry(empty_config):
     assert rep["registry"]["problem"] is None and rep["models"]["smollm2-135m"] is True
 
 
+def test_doctor_names_a_cuda_builds_graph_cache_setting(empty_config, monkeypatch):
+    import mars_local.llama.runtime as runtime
+
+    real = runtime.backend_info
+    monkeypatch.setattr(runtime, "backend_info", lambda: {**real(), "backend": "cuda", "gpu_offload": True})
+    r = invoke("doctor", env={**empty_config, "MARS_CUDA_GRAPH_KEY_PER_SHAPE": "8"})
+    assert "CUDA graphs:" in r.stdout and "has run 8 times" in r.stdout, r.output
+    rep = json.loads(invoke("doctor", "--json", env=empty_config).stdout)
+    assert rep["cuda_graphs"].startswith("stock's")
+    monkeypatch.setattr(runtime, "backend_info", real)  # a CPU build: no such line
+    assert "CUDA graphs:" not in invoke("doctor", env=empty_config).stdout
+
+
 # ------------------------------------------------------- 3. impossible flags
 FLAG_CASES = {
     "negative context": (["-c", "-1"], "-c"),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mars_local.llama.kernels import cpu_features, kernel_paths
+from mars_local.llama.kernels import GRAPH_KEY_VAR, cpu_features, cuda_graph_cache, kernel_paths
 
 ZEN4 = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX_VNNI = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | "
         "AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
@@ -58,3 +58,17 @@ def test_a_gpu_backend_names_its_16_row_bound_and_what_is_not_guaranteed():
     paths = kernel_paths(ZEN4, backend="cuda")
     assert list(paths) == ["all"] and paths["all"].startswith("cuda")
     assert "within 16 rows" in paths["all"] and "not guaranteed on other GPUs" in paths["all"]
+
+
+@pytest.mark.parametrize("value, says", [
+    (None, "stock's"), ("", "stock's"), ("0", "stock's"), ("-3", "stock's"), ("yes", "stock's"),
+    ("1", "one graph per forward shape (MARS_CUDA_GRAPH_KEY_PER_SHAPE=1)"),
+    ("2", "one graph per forward shape (MARS_CUDA_GRAPH_KEY_PER_SHAPE=2)"),
+    (" 8x", "captured once that shape has run 8 times"),  # read as the patch's atoi reads it
+])
+def test_the_cuda_graph_cache_is_described_as_patch_0015_reads_its_variable(value, says):
+    env = {} if value is None else {GRAPH_KEY_VAR: value}
+    text = cuda_graph_cache(env)
+    assert text.startswith(says) if says == "stock's" else says in text
+    if says == "stock's":
+        assert "per forward shape" in text and "off by default" in text
