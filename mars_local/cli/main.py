@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
 import sys
@@ -43,6 +45,22 @@ def _quiet_stdout() -> None:
         pass
 
 
+class _ClosedStdout(io.TextIOBase):
+    """Standard output when the process was started with it closed (``mars run ... >&-``):
+    Python sets ``sys.stdout`` to None, and a write would end in a traceback, or nothing at all
+    be written while the command reports success.  Writing raises OSError instead, which
+    ends the command with one line (what does not write, e.g. a server's log on stderr, runs on)."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        raise OSError(errno.EBADF, "standard output is closed (redirect it to a file or /dev/null)")
+
+    def flush(self) -> None:
+        pass
+
+
 class MarsGroup(TyperGroup):
     """Every user error ends as one line on stderr and exit code 2, never a traceback.
 
@@ -58,6 +76,8 @@ class MarsGroup(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         code = 0
+        if sys.stdout is None:
+            sys.stdout = _ClosedStdout()
         ARGV[:] = [str(a) for a in (sys.argv[1:] if args is None else args)]
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)

@@ -235,6 +235,19 @@ def test_a_closed_pipe_exits_0_quietly(long_model, tiny_draft, empty_config):
     assert err == "", err
 
 
+@pytest.mark.parametrize("args", [["models"], ["run", "a b c", "-n", "2", "-t", "1"],
+                                  ["run", "a b c", "-n", "2", "-t", "1", "--json"]])
+def test_a_closed_standard_output_is_one_line_not_a_traceback_or_a_silent_success(args, tiny_target, empty_config):
+    if args[0] == "run":
+        args = args + ["-m", str(tiny_target)]
+    # `mars ... >&-`: the process starts with file descriptor 1 closed (Python's sys.stdout is None)
+    p = subprocess.run(MARS + args, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=120,
+                       env={**os.environ, **empty_config}, preexec_fn=lambda: os.close(1))
+    lines = err_lines(p)
+    assert p.returncode != 0 and lines == ["error: standard output is closed (redirect it to a file or /dev/null)"], (
+        p.returncode, p.stderr)
+
+
 # ------------------------------------------------------- 6. Ctrl-C
 def test_ctrl_c_ends_the_line_prints_partial_stats_and_exits_130(long_model, tiny_draft, empty_config):
     proc = subprocess.Popen(MARS + [str(a) for a in slow_run(long_model, tiny_draft, "--stats")],
