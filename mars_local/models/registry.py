@@ -79,7 +79,6 @@ class Pair:
     drafter: str
     theta: float | None = None  # None: GenerateConfig's default
     draft_max: int | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def overrides(self) -> dict:
@@ -109,6 +108,10 @@ def _hf_cached(repo: str, filename: str) -> Path | None:
     return Path(hit) if isinstance(hit, str) and Path(hit).exists() else None
 
 
+ENTRY_KEYS = frozenset({"description", "target", "draft", "drafter", "theta", "draft_max"})
+MODEL_FILE_KEYS = frozenset({"file", "repo", "package"})
+
+
 class _EntryError(Exception):
     """A bad field of one registry entry: `field` is its key path inside the entry."""
 
@@ -117,9 +120,18 @@ class _EntryError(Exception):
         self.field = field
 
 
+def _unknown(keys, known, where: str, *field: str) -> None:
+    """A mistyped key (``draft_mx``) would otherwise be ignored without a word."""
+    extra = sorted(str(k) for k in keys if k not in known)
+    if extra:
+        raise _EntryError(f"unknown field{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}{where} "
+                          f"(known: {', '.join(sorted(known))})", *field, extra[0])
+
+
 def _model_file(name: str, role: str, spec) -> ModelFile:
     if not isinstance(spec, dict) or "file" not in spec or not (("repo" in spec) ^ ("package" in spec)):
         raise _EntryError(f"{role} needs 'file' and exactly one of 'repo' or 'package'", role)
+    _unknown(spec, MODEL_FILE_KEYS, f" in {role}", role)
     for key in ("file", "repo", "package"):
         if key in spec and not isinstance(spec[key], str):
             raise _EntryError(f"{role}.{key} must be a string, got {spec[key]!r}", role, key)
@@ -129,6 +141,7 @@ def _model_file(name: str, role: str, spec) -> ModelFile:
 def _parse_pair(name: str, raw) -> Pair:
     if not isinstance(raw, dict):
         raise _EntryError("must be a mapping")
+    _unknown(raw, ENTRY_KEYS, "")
     target = _model_file(name, "target", raw.get("target"))
     draft = _model_file(name, "draft", raw["draft"]) if raw.get("draft") is not None else None
     drafter = raw.get("drafter", "model" if draft else "none")
@@ -152,7 +165,6 @@ def _parse_pair(name: str, raw) -> Pair:
             GenerateConfig(**{key: value})
         except MarsError as exc:
             raise _EntryError(str(exc), key) from None
-    known = {"description", "target", "draft", "drafter", "theta", "draft_max"}
     return Pair(
         name=name,
         description=str(raw.get("description", "")),
@@ -161,7 +173,6 @@ def _parse_pair(name: str, raw) -> Pair:
         drafter=drafter,
         theta=float(theta) if theta is not None else None,
         draft_max=draft_max,
-        extra={k: v for k, v in raw.items() if k not in known},
     )
 
 
@@ -215,6 +226,11 @@ def _read_yaml(path: Path) -> tuple[dict, str]:
         data = {}
     if not isinstance(data, dict) or not isinstance(data.get("models") or {}, dict):
         raise RegistryError(f"model registry {path} must be a mapping with a 'models' mapping")
+    extra = [k for k in data if k not in ("default", "models")]
+    if extra:
+        line = _line_of(text, [extra[0]])
+        raise RegistryError(f"model registry {path}{f', line {line}' if line else ''}: unknown key {str(extra[0])!r} "
+                            "(a registry has 'default' and 'models')")
     if "default" in data and not isinstance(data["default"], str):
         raise RegistryError(f"model registry {path}: 'default' must be a model name, got {data['default']!r}")
     return data, text

@@ -81,6 +81,13 @@ BROKEN = {
     "nul byte": (b"models:\n  mine:\n    description: a\x00b\n", ["line 3"]),
     "not a mapping": (b"- a\n- b\n", ["mapping"]),
     "bad default": (b"default: nothing-here\n", ["default", "nothing-here"]),
+    # a mistyped key is refused, not ignored (the override it meant would silently not apply)
+    "mistyped top-level key": (b"model:\n  smollm2-135m:\n    target: {repo: me/x-GGUF, file: x.gguf}\n",
+                               ["line 1", "unknown key 'model'"]),
+    "mistyped entry field": (b"models:\n  mine:\n    target: {repo: me/x-GGUF, file: x.gguf}\n    draft_mx: 4\n",
+                             ["line 4", "mine", "unknown field 'draft_mx'", "draft_max"]),
+    "mistyped file field": (b"models:\n  mine:\n    target: {repo: me/x-GGUF, file: x.gguf, revsion: main}\n",
+                            ["line 3", "unknown field 'revsion' in target"]),
 }
 
 
