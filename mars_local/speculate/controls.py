@@ -40,8 +40,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..core.config import GenerateConfig
+from ..core.errors import MarsError
 
-__all__ = ["Controls", "Window", "StopScanner", "apply_penalties"]
+__all__ = ["Controls", "Window", "StopScanner", "apply_penalties", "GRAMMAR_DEAD_END"]
+
+# the target's row after the grammar's mask has no token left: the grammar cannot be continued
+GRAMMAR_DEAD_END = ("the grammar allows no token after the output so far (none of the model's tokens continues "
+                    "any of its rules: check the grammar, e.g. a character class that matches nothing)")
 
 
 def apply_penalties(row: np.ndarray, history: Sequence[int], cfg: GenerateConfig) -> None:
@@ -102,6 +107,8 @@ class Controls:
         try:
             for i in range(len(logits)):
                 w.apply(logits[i])
+                if self.grammar is not None and logits[i].max() == -np.inf:  # (NaN: the verify rule says so)
+                    raise MarsError(GRAMMAR_DEAD_END)
                 if i == len(draft) or not w.push(int(draft[i]), logits[i]):
                     break
         finally:

@@ -259,6 +259,15 @@ def test_invalid_grammar_and_schema_are_one_line_errors(plain):
     assert plain.generate("hi", max_tokens=3).stats.n_generated >= 1  # the engine is still usable
 
 
+@pytest.mark.slow
+def test_a_grammar_that_matches_nothing_says_so(smollm2):
+    # (the tiny models' byte tokens are partial UTF-8, which llama.cpp's grammar lets through)
+    with Engine(smollm2, n_threads=2) as eng:
+        with pytest.raises(MarsError, match="the grammar allows no token after the output so far"):
+            eng.generate("hi", grammar="root ::= [^\\x00-\\U0010FFFF]", max_tokens=4)
+        assert eng.generate("hi", max_tokens=3).stats.n_generated >= 1  # the engine is still usable
+
+
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}}
 

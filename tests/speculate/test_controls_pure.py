@@ -111,3 +111,32 @@ def test_bad_control_settings_are_refused(kw, match):
 def test_unlimited_and_stop_list_are_normalised():
     cfg = GenerateConfig(max_tokens=-1, stop=["a", "b"])
     assert cfg.unlimited and cfg.stop == ("a", "b")
+
+
+class _DeadEnd:
+    """A grammar state that allows no token (what a GrammarState of a grammar matching nothing does)."""
+
+    def clone(self):
+        return self
+
+    def mask(self, row, need=0):
+        row[:] = -np.inf
+
+    def try_accept(self, token):
+        return True
+
+    def close(self):
+        pass
+
+
+def test_a_verify_row_the_grammar_leaves_empty_is_the_grammars_error_not_the_targets():
+    from mars_local.core.errors import MarsError
+    from mars_local.speculate.controls import GRAMMAR_DEAD_END, Controls
+
+    c = Controls(GenerateConfig(grammar="root ::= \"a\""), [0], _DeadEnd())
+    with pytest.raises(MarsError) as exc:
+        c.process_window([5, 6], np.zeros((3, 16), dtype=np.float32), [1, 2])
+    assert str(exc.value) == GRAMMAR_DEAD_END
+    # without a grammar an all -inf row is left to the verify rule (the target's own message)
+    rows = np.full((1, 16), -np.inf, dtype=np.float32)
+    Controls(GenerateConfig(ignore_eos=True), [0]).process_window([5], rows, [])
