@@ -28,6 +28,13 @@ EPILOG = (
 )
 
 
+PARALLEL = typer.Option(
+    DEFAULTS.parallel, "--parallel", "-np", metavar="N",
+    help="Records decoded together, one batch per round (0 = auto: 8, fewer when memory is short). "
+         "With N > 1 records are written as they finish, not in input order.",
+)
+
+
 @opt.generation_options
 def batch(
     input: str = typer.Argument(..., help="Input JSONL ('-' for standard input)."),
@@ -38,11 +45,7 @@ def batch(
         "One run at a time per output file: a second one is refused (the file is locked).",
     ),
     strict: bool = typer.Option(False, "--strict", help="Stop at the first malformed or unusable record (exit 2)."),
-    parallel: int = typer.Option(
-        DEFAULTS.parallel, "--parallel", "-np", metavar="N",
-        help="Records decoded together, one batch per round (0 = auto: 8, fewer when memory is short). "
-             "With N > 1 records are written as they finish, not in input order.",
-    ),
+    parallel: int = PARALLEL,
     n_predict: int = opt.N_PREDICT,
     gen: opt.GenOptions = None,
 ) -> None:
@@ -63,7 +66,7 @@ def batch(
     field, and the exit status is then 3 (--strict: an error instead).
     """
     opt.check_flag("max_tokens", n_predict)
-    opt.check_flag("parallel", parallel)
+    opt.check_flag("parallel", parallel, parallel=PARALLEL)
     choice = gen.choice()
     base = gen.config(choice, n_predict)
     name, lines = B.read_input(input)

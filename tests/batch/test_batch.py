@@ -287,6 +287,15 @@ def test_duplicate_id_is_refused_even_when_already_done(fake_engine, tmp_path):
     assert out.read_text() == rec(7) + "\n"
 
 
+@pytest.mark.parametrize("flag, value", [("--parallel", "999"), ("-np", "-2")])
+def test_a_bad_parallel_names_the_flag_as_typed_and_writes_nothing(fake_engine, tmp_path, flag, value):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "x"}])
+    out = tmp_path / "out.jsonl"
+    line = one_error_line(invoke("batch", inp, "-o", out, "-m", FAKE, flag, value))
+    assert line == f"error: {flag} must be in 0..256, got {value}"
+    assert not out.exists()
+
+
 # ------------------------------------------------- 6. per-record validation
 BAD_RECORDS = [
     ({"temperature": "hot"}, "'temperature' must be a finite number >= 0, got \"hot\""),
