@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only (registry needs pyyaml)
 
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<idx>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
-__all__ = ["split_parts", "download_file", "pull_pair", "describe"]
+__all__ = ["split_parts", "download_file", "hub_resolves", "pull_pair", "describe"]
 
 
 def split_parts(filename: str) -> list[str]:
@@ -28,6 +28,25 @@ def split_parts(filename: str) -> list[str]:
         return [filename]
     n = int(m.group("n"))
     return [f"{m.group('stem')}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+
+
+def hub_resolves() -> bool:
+    """Whether the Hub's host name resolves.  Without it huggingface_hub retries every request
+    with back-off for ~25 s, printing each retry, before the same failure: a name that does
+    not resolve (no network, no DNS) does not come back within seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname
+    if not host or constants.HF_HUB_OFFLINE:
+        return bool(host) and not constants.HF_HUB_OFFLINE
+    try:
+        socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):  # socket.gaierror is an OSError
+        return False
+    return True
 
 
 def download_file(repo: str, filename: str, force: bool = False) -> Path:
@@ -41,9 +60,12 @@ def download_file(repo: str, filename: str, force: bool = False) -> Path:
     )
 
     paths = []
+    offline = not hub_resolves()  # then only the cache: no request would get through
     for part in split_parts(filename):
         try:
-            paths.append(Path(hf_hub_download(repo_id=repo, filename=part, force_download=force)))
+            kw = {"local_files_only": True} if offline else {}
+            paths.append(Path(hf_hub_download(repo_id=repo, filename=part, force_download=force and not offline,
+                                              **kw)))
         except GatedRepoError:
             raise MarsError(f"{repo} is gated: accept its licence on the Hub and log in (`hf auth login`)") from None
         except RepositoryNotFoundError:

@@ -284,6 +284,40 @@ def test_pull_downloads_every_part_with_the_hub_client(monkeypatch, tmp_path):
     assert "unknown model" in one_error_line(invoke("pull", "no-such-pair"))
 
 
+@pytest.mark.parametrize("resolves", [True, False])
+def test_pull_asks_only_the_cache_when_the_hubs_name_does_not_resolve(monkeypatch, tmp_path, resolves):
+    # (no name resolution: huggingface_hub would retry each request for ~25 s, printing every retry)
+    import socket
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def getaddrinfo(host, *a, **kw):
+        if not resolves:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.1", 443))]
+
+    seen = []
+
+    def fake_download(repo_id, filename, force_download=False, local_files_only=False, **kw):
+        seen.append(local_files_only)
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        p = tmp_path / filename
+        p.write_bytes(b"GGUF")
+        return str(p)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    r = invoke("pull", "hf:me/x-GGUF/x.gguf")
+    assert seen == [not resolves]
+    if resolves:
+        assert r.exit_code == 0, r.output
+    else:
+        assert "cannot be reached (offline?)" in one_error_line(r)
+
+
 @pytest.mark.slow
 def test_cached_hub_models_work_offline(tiny_target, tiny_draft, tmp_path):
     cache = tmp_path / "hf"
