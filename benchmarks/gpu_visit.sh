@@ -97,7 +97,7 @@ graphs)  # instead of run: patches/0015's CUDA graph cache settings, mars-local 
     done
     for g in 0 1 8; do
         step "serve, MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g"
-        MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g timeout 110 python3 benchmarks/serve_bench.py -m "$T" -md "$D" \
+        MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g timeout 150 python3 benchmarks/serve_bench.py -m "$T" -md "$D" \
             --clients 1,2 --requests 3 -n 48 -t 2 -c 1024 -ngl 999 --no-peers --repeat 2 --timeout 60 \
             --startup-timeout 60 --json "$OUT/serve-F16-graphs$g.json"
     done
