@@ -130,14 +130,16 @@ class TokenLogprob:
 
 
 def token_logprobs(rows, tokens: list[int], n_top: int) -> list[TokenLogprob]:
-    """Log probabilities of ``tokens[i]`` under row i of ``rows`` (log-softmax in float64), with the top ``n_top``."""
+    """Log probabilities of ``tokens[i]`` under row i of ``rows`` (log-softmax in float64), with the top ``n_top``.
+    Alternatives of probability 0 (a grammar forbids them: logit -inf) are left out, so a row may
+    list fewer than ``n_top``: -inf has no JSON form, and they were never candidates."""
     out = []
     for i, t in enumerate(tokens):
         z = np.asarray(rows[i], dtype=np.float64)
         m = z.max()
         lse = m + np.log(np.exp(z - m).sum())
         top = np.argpartition(-z, n_top - 1)[:n_top] if n_top < len(z) else np.arange(len(z))
-        top = sorted(top.tolist(), key=lambda j: (-z[j], j))
+        top = sorted((j for j in top.tolist() if z[j] > -np.inf), key=lambda j: (-z[j], j))
         out.append(TokenLogprob(int(t), float(z[t] - lse), tuple((int(j), float(z[j] - lse)) for j in top)))
     return out
 
