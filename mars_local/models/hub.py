@@ -36,12 +36,16 @@ def hub_resolves() -> bool:
     not resolve (no network, no DNS) does not come back within seconds."""
     import socket
     from urllib.parse import urlparse
+    from urllib.request import getproxies, proxy_bypass
 
     from huggingface_hub import constants
 
     host = urlparse(constants.ENDPOINT).hostname
     if not host or constants.HF_HUB_OFFLINE:
         return bool(host) and not constants.HF_HUB_OFFLINE
+    proxies = getproxies()
+    if (proxies.get("https") or proxies.get("all")) and not proxy_bypass(host):
+        return True  # a proxy resolves the name: this machine may not be able to
     try:
         socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):  # socket.gaierror is an OSError

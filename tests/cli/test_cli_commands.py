@@ -310,12 +310,19 @@ def test_pull_asks_only_the_cache_when_the_hubs_name_does_not_resolve(monkeypatc
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for var in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
     r = invoke("pull", "hf:me/x-GGUF/x.gguf")
     assert seen == [not resolves]
     if resolves:
         assert r.exit_code == 0, r.output
     else:
         assert "cannot be reached (offline?)" in one_error_line(r)
+        # behind a proxy the proxy resolves the Hub's name, not this machine: the Hub is asked
+        seen.clear()
+        monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+        r = invoke("pull", "hf:me/x-GGUF/x.gguf")
+        assert seen == [False] and r.exit_code == 0, r.output
 
 
 @pytest.mark.slow
