@@ -7,7 +7,8 @@
 #                                                              the F16 sweep, strict == plain)
 #   bash benchmarks/gpu_visit.sh more 2>&1 | tee $OUT/more.log (window costs in turn, round profiles, the Q4_K_M sweep)
 #   bash benchmarks/gpu_visit.sh graphs / graphs2   (instead of run / more: patches/0015's CUDA graph
-#                                                    cache settings, MARS_CUDA_GRAPH_KEY_PER_SHAPE=0|1|8)
+#                                                    cache settings, MARS_CUDA_GRAPH_KEY_PER_SHAPE=0|1|8;
+#                                                    graphs ~8.5 minutes, graphs2 ~5.5: G=<best of graphs>)
 #
 # Results go to $OUT (the device tool's folder).  Each step has a time limit, so one that
 # hangs costs its limit, not the call; the three calls fit a 15-minute device budget (the H100
