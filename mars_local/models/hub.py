@@ -42,7 +42,7 @@ def hub_resolves() -> bool:
 
     host = urlparse(constants.ENDPOINT).hostname
     if not host or constants.HF_HUB_OFFLINE:
-        return bool(host) and not constants.HF_HUB_OFFLINE
+        return False
     proxies = getproxies()
     if (proxies.get("https") or proxies.get("all")) and not proxy_bypass(host):
         return True  # a proxy resolves the name: this machine may not be able to
@@ -65,11 +65,10 @@ def download_file(repo: str, filename: str, force: bool = False) -> Path:
 
     paths = []
     offline = not hub_resolves()  # then only the cache: no request would get through
+    kw = {"local_files_only": True} if offline else {"force_download": force}
     for part in split_parts(filename):
         try:
-            kw = {"local_files_only": True} if offline else {}
-            paths.append(Path(hf_hub_download(repo_id=repo, filename=part, force_download=force and not offline,
-                                              **kw)))
+            paths.append(Path(hf_hub_download(repo_id=repo, filename=part, **kw)))
         except GatedRepoError:
             raise MarsError(f"{repo} is gated: accept its licence on the Hub and log in (`hf auth login`)") from None
         except RepositoryNotFoundError:
