@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_visit.sh run 2>&1 | tee $OUT/run.log   (carry .devkit-b: model piece 2, the stand-ins,
 #                                                              the F16 sweep, strict == plain)
 #   bash benchmarks/gpu_visit.sh more 2>&1 | tee $OUT/more.log (window costs in turn, round profiles, the Q4_K_M sweep)
+#   bash benchmarks/gpu_visit.sh profile 2>&1 | tee $OUT/profile.log  (instead of run: serving-like rounds
+#                                                    split by round_profile.py --per-slot 3, ~3 minutes)
 #   bash benchmarks/gpu_visit.sh graphs / graphs2   (instead of run / more: patches/0015's CUDA graph
 #                                                    cache settings, MARS_CUDA_GRAPH_KEY_PER_SHAPE=0|1|8;
 #                                                    graphs ~8.5 minutes, graphs2 ~5.5: G=<best of graphs>)
@@ -115,5 +117,23 @@ graphs2)  # after graphs: the sweep, mars-local with MARS_CUDA_GRAPH_KEY_PER_SHA
         --startup-timeout 60 --peer-env MARS_CUDA_GRAPH_KEY_PER_SHAPE=0 --json "$OUT/serve-sweep-F16-g${G:-8}.json"
     step done
     ;;
-*) echo "usage: $0 setup|run|more|graphs|graphs2" >&2; exit 2 ;;
+profile)  # instead of run: where serving-like rounds' time goes at N = 2 and 8 (3 prompts a slot,
+    # each joining as one finishes), speculative and plain, stock CUDA graph key (~3 minutes)
+    . "$K/env.sh"
+    imports || exit 3
+    models --no-kquant
+    for n in 8 2; do
+        step "round-profile N=$n, speculative"
+        timeout 60 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel $n --per-slot 3 -n 48 -t 2 --learned \
+            --json "$OUT/rp-spec-N$n.json"
+        step "round-profile N=$n, plain"
+        timeout 40 python3 benchmarks/round_profile.py "$T" --parallel $n --per-slot 3 -n 48 -t 2 \
+            --json "$OUT/rp-plain-N$n.json"
+    done
+    step "round-profile N=8, speculative, again (learned from the first)"
+    timeout 60 python3 benchmarks/round_profile.py "$T" -md "$D" --parallel 8 --per-slot 3 -n 48 -t 2 --learned \
+        --json "$OUT/rp-spec-N8-b.json"
+    step done
+    ;;
+*) echo "usage: $0 setup|run|more|graphs|graphs2|profile" >&2; exit 2 ;;
 esac

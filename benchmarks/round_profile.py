@@ -2,17 +2,19 @@
 """Where a batched round's time goes: llama_decode (windows, prefill, draft) against the Python around it.
 
     .venv/bin/python benchmarks/round_profile.py TARGET.gguf [-md DRAFT.gguf] [--parallel 1,4,16] \\
-        [-n 48] [-t 2] [-ngl N] [--fast-kernels] [--json OUT]
+        [-n 48] [--per-slot M] [--learned] [-t 2] [-ngl N] [--fast-kernels] [--json OUT]
 
-For each N it decodes N bench prompts at once through one :class:`mars_local.Scheduler`
+For each N it decodes N bench prompts at once (``--per-slot M``: M x N prompts through N
+slots, each joining as one finishes, as serving's clients send them) through one :class:`mars_local.Scheduler`
 (greedy; plain rounds unless a draft is given), after a short warm-up batch, and splits the
 wall time per round into: the target's decodes of windows (the rounds' forwards), its prefill
-decodes (joining prompts), the draft model's decodes, and the rest (Python: verification,
+decodes (joining prompts), the draft model's decodes (its steps; "catch-up": its cache brought
+up to date with a joining prompt or rounds that did not draft), and the rest (Python: verification,
 bookkeeping, emission).  Each timed decode waits for its forward to finish
 (llama_synchronize): a GPU backend's llama_decode returns once the forward is queued, and
 without the wait the GPU's time would land in "rest", where the logits are read (as it did
 in the H100 visit's profile, BENCHMARKS.md).  "tokens a round" is all sequences' tokens
-over the rounds (N when every round is plain).
+over the rounds (N when every round is plain); "drafting": the rounds that verified a draft.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("windows", "prefill", "draft", "rest")
+PARTS = ("windows", "prefill", "draft", "catch-up", "rest")
 
 
 class DecodeClock:
     """Seconds spent in a MultiContext's llama_decode calls, split by what asked for them."""
 
     def __init__(self, sch) -> None:
-        self.spent = dict.fromkeys(PARTS[:3], 0.0)
-        self._in_windows = False
+        self.spent = dict.fromkeys(PARTS[:4], 0.0)
+        self.drafting_rounds = 0  # rounds that verified a draft (k > 0)
+        self._in_windows = self._in_catch_up = False
         self._wrap(sch.mc, lambda: "windows" if self._in_windows else "prefill")
         real_windows = sch.mc.decode_windows
 
@@ -44,7 +47,25 @@ class DecodeClock:
 
         sch.mc.decode_windows = windows
         if sch.dmc is not None:
-            self._wrap(sch.dmc, lambda: "draft")
+            self._wrap(sch.dmc, lambda: "catch-up" if self._in_catch_up else "draft")
+            real_catch_up = sch._draft_prompts
+
+            def catch_up(*a, **kw):  # a draft cache brought up to date (a joining prompt, rounds not drafted)
+                self._in_catch_up = True
+                try:
+                    return real_catch_up(*a, **kw)
+                finally:
+                    self._in_catch_up = False
+
+            sch._draft_prompts = catch_up
+        real_round = sch._round
+
+        def round_(*a, **kw):
+            out = real_round(*a, **kw)
+            self.drafting_rounds += sch.last_k > 0
+            return out
+
+        sch._round = round_
 
     def _wrap(self, mc, part) -> None:
         from mars_local.llama.backend import C
@@ -66,9 +87,10 @@ class DecodeClock:
     def reset(self) -> None:
         for k in self.spent:
             self.spent[k] = 0.0
+        self.drafting_rounds = 0
 
 
-def profile(eng, n_parallel: int, prompts: list, n: int) -> dict:
+def profile(eng, n_parallel: int, prompts: list, n: int, per_slot: int = 1) -> dict:
     from mars_local import Scheduler
 
     sch = Scheduler(eng, n_parallel)
@@ -78,14 +100,16 @@ def profile(eng, n_parallel: int, prompts: list, n: int) -> dict:
         clock.reset()
         r0 = sch.rounds
         t0 = time.perf_counter()
-        outs = sch.generate_many(prompts[n_parallel:2 * n_parallel], max_tokens=n, temperature=0, ignore_eos=True)
+        outs = sch.generate_many(prompts[n_parallel:(1 + per_slot) * n_parallel], max_tokens=n, temperature=0,
+                                 ignore_eos=True)
         wall = time.perf_counter() - t0
         rounds = max(1, sch.rounds - r0)
     finally:
         sch.close()
     spent = dict(clock.spent, rest=max(0.0, wall - sum(clock.spent.values())))
     tokens = sum(len(o.tokens) for o in outs)
-    return {"parallel": n_parallel, "rounds": rounds, "tokens": tokens, "seconds": wall,
+    return {"parallel": n_parallel, "per_slot": per_slot, "rounds": rounds, "tokens": tokens, "seconds": wall,
+            "drafting_rounds": clock.drafting_rounds,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "tokens_per_round": tokens / rounds,  # all sequences' (N a round when plain)
             "ms_per_round": {k: 1e3 * v / rounds for k, v in spent.items()},
@@ -98,6 +122,11 @@ def main(argv=None) -> int:
     ap.add_argument("-md", "--model-draft", default=None, help="a draft model (default: plain rounds)")
     ap.add_argument("--parallel", default="1,4,16", help="sequences decoded together, a comma list (default 1,4,16)")
     ap.add_argument("-n", type=int, default=48, help="tokens per sequence (default 48)")
+    ap.add_argument("--per-slot", type=int, default=1,
+                    help="prompts per sequence slot (default 1: N prompts joining together; 3: 3N prompts through N "
+                         "slots, each joining as one finishes, as serving's clients send them)")
+    ap.add_argument("--learned", action="store_true",
+                    help="start from what earlier runs learned on this machine (the server's way; default: nothing)")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-ngl", type=int, default=None, help="GPU layers (default: all on a GPU build)")
     ap.add_argument("--fast-kernels", action="store_true", help="load the target as `--fast-kernels` does")
@@ -105,10 +134,11 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         ns = [int(x) for x in a.parallel.split(",")]
-        if not ns or min(ns) < 1 or a.n < 1:
+        if not ns or min(ns) < 1 or a.n < 1 or a.per_slot < 1:
             raise ValueError
     except ValueError:
-        print(f"error: --parallel must be a comma list of integers >= 1 and -n >= 1, got {a.parallel!r}, {a.n}",
+        print(f"error: --parallel must be a comma list of integers >= 1, -n and --per-slot >= 1, got "
+              f"{a.parallel!r}, {a.n}, {a.per_slot}",
               file=sys.stderr)
         return 2
     for p in (a.target, a.model_draft):
@@ -123,22 +153,24 @@ def main(argv=None) -> int:
     drafter = "model" if a.model_draft else "none"
     rows = []
     with Engine(a.target, a.model_draft, drafter=drafter, n_ctx=1024, n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngl,
-                n_threads=a.threads, learned=False, exact_kernels=not a.fast_kernels) as eng:
+                n_threads=a.threads, learned=a.learned, exact_kernels=not a.fast_kernels) as eng:
         every = [eng.chat_prompt(p.messages) for p in load_prompts()]
-        need = 2 * max(ns)
+        need = (1 + a.per_slot) * max(ns)
         prompts = (every * (need // len(every) + 1))[:need]
-        print("| N | rounds | tokens a round | tok/s | ms a round | windows | prefill | draft | rest (Python) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("| N | rounds | drafting | tokens a round | tok/s | ms a round | windows | prefill | draft | "
+              "catch-up | rest (Python) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n_par in ns:
-            r = profile(eng, n_par, prompts, a.n)
+            r = profile(eng, n_par, prompts, a.n, a.per_slot)
             rows.append(r)
             ms = r["ms_per_round"]
-            print(f"| {n_par} | {r['rounds']} | {r['tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} | "
+            print(f"| {n_par} | {r['rounds']} | {r['drafting_rounds']} | {r['tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} | "
                   f"{r['wall_ms_per_round']:.2f} | "
                   + " | ".join(f"{ms[k]:.2f}" for k in PARTS) + " |", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"backend": backend_info(), "target": a.target, "draft": a.model_draft,
-                                            "n": a.n, "fast_kernels": a.fast_kernels, "rows": rows}, indent=1))
+                                            "n": a.n, "per_slot": a.per_slot, "learned": a.learned,
+                                            "fast_kernels": a.fast_kernels, "rows": rows}, indent=1))
     return 0
 
 
