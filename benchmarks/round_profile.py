@@ -34,6 +34,7 @@ class DecodeClock:
     def __init__(self, sch) -> None:
         self.spent = dict.fromkeys(PARTS[:4], 0.0)
         self.drafting_rounds = 0  # rounds that verified a draft (k > 0)
+        self.k_rounds: dict[int, int] = {}  # k -> rounds that verified it
         self._in_windows = self._in_catch_up = False
         self._wrap(sch.mc, lambda: "windows" if self._in_windows else "prefill")
         real_windows = sch.mc.decode_windows
@@ -63,6 +64,7 @@ class DecodeClock:
         def round_(*a, **kw):
             out = real_round(*a, **kw)
             self.drafting_rounds += sch.last_k > 0
+            self.k_rounds[sch.last_k] = self.k_rounds.get(sch.last_k, 0) + 1
             return out
 
         sch._round = round_
@@ -88,6 +90,18 @@ class DecodeClock:
         for k in self.spent:
             self.spent[k] = 0.0
         self.drafting_rounds = 0
+        self.k_rounds = {}
+
+
+def plan_seen(sch) -> dict:
+    """What the scheduler's plan knew at the end: the target forwards it timed (ms by rows, the
+    decayed means it chooses k from), a draft token's cost, and the rates of whole rounds that
+    drafted and that did not (tokens/s; DraftOrNot's)."""
+    c = sch.cost
+    timed = {r: round(1e3 * t / n, 2) for r, (t, n) in sorted(c._time.items()) if n > 0.05}
+    rates = {name: sch.mode.rate(flag) for name, flag in (("drafting", True), ("plain", False))}
+    return {"forward_ms": timed, "draft_token_ms": round(1e3 * c.draft_cost(), 3) if c.draft_measured else None,
+            "round_rates": {k: None if v is None else round(v, 1) for k, v in rates.items()}}
 
 
 def profile(eng, n_parallel: int, prompts: list, n: int, per_slot: int = 1) -> dict:
@@ -104,12 +118,13 @@ def profile(eng, n_parallel: int, prompts: list, n: int, per_slot: int = 1) -> d
                                  ignore_eos=True)
         wall = time.perf_counter() - t0
         rounds = max(1, sch.rounds - r0)
+        plan = plan_seen(sch)
     finally:
         sch.close()
     spent = dict(clock.spent, rest=max(0.0, wall - sum(clock.spent.values())))
     tokens = sum(len(o.tokens) for o in outs)
     return {"parallel": n_parallel, "per_slot": per_slot, "rounds": rounds, "tokens": tokens, "seconds": wall,
-            "drafting_rounds": clock.drafting_rounds,
+            "drafting_rounds": clock.drafting_rounds, "k_rounds": dict(sorted(clock.k_rounds.items())), "plan": plan,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
             "tokens_per_round": tokens / rounds,  # all sequences' (N a round when plain)
             "ms_per_round": {k: 1e3 * v / rounds for k, v in spent.items()},
@@ -167,6 +182,8 @@ def main(argv=None) -> int:
             print(f"| {n_par} | {r['rounds']} | {r['drafting_rounds']} | {r['tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} | "
                   f"{r['wall_ms_per_round']:.2f} | "
                   + " | ".join(f"{ms[k]:.2f}" for k in PARTS) + " |", flush=True)
+            if r["drafting_rounds"]:
+                print(f"    k: rounds {r['k_rounds']}; the plan at the end: {r['plan']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"backend": backend_info(), "target": a.target, "draft": a.model_draft,
                                             "n": a.n, "per_slot": a.per_slot, "learned": a.learned,
