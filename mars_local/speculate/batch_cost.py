@@ -11,9 +11,31 @@ import numpy as np
 from ..core.defaults import SETTINGS
 from .adaptive import AdaptiveK, expected_tokens
 
-__all__ = ["choose_window", "plan_drafting", "BatchCost", "DraftOrNot", "auto_parallel", "MAX_ROWS"]
+__all__ = ["choose_window", "plan_drafting", "isotonic", "BatchCost", "DraftOrNot", "auto_parallel", "MAX_ROWS"]
 
 MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (llama.streams.MAX_INVARIANT_ROWS)
+# what one calibration forward counts for against one of a real round: calibration times each
+# size twice, back to back, once (on a GPU its first forwards of a shape can cost several times a
+# round's, and a size the rounds never use again would keep that cost for good)
+CALIBRATION_WEIGHT = 0.25
+
+
+def isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in weighted least squares (pure; pool
+    adjacent violators): a run of sizes whose costs fall as rows grow gets their weighted mean."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, count]
+    for v, w in zip(values, weights):
+        w = max(float(w), 1e-12)
+        blocks.append([v * w, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, w2, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += w2
+            blocks[-1][2] += n
+    out: list[float] = []
+    for s, w, n in blocks:
+        out.extend([s / w] * n)
+    return out
 
 
 # ------------------------------------------------------------ the choice
@@ -90,15 +112,17 @@ class BatchCost:
     _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
     _warm: set = field(default_factory=set)
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, weight: float = 1.0) -> None:
+        """A forward of ``rows`` rows took ``seconds`` (``weight``: what it counts for, 1 for a
+        round's forward, CALIBRATION_WEIGHT for a calibration's)."""
         if rows not in self._warm:  # a new batch shape builds its graph once: not timed
             self._warm.add(rows)
             return
         slot = self._time.setdefault(rows, [0.0, 0.0])
         if slot[1] >= 1.0:  # a stall (another process, a page fault) counts at 1.5x the mean at most
             seconds = min(seconds, 1.5 * slot[0] / slot[1])
-        slot[0] = slot[0] * self.decay + seconds
-        slot[1] = slot[1] * self.decay + 1.0
+        slot[0] = slot[0] * self.decay + seconds * weight
+        slot[1] = slot[1] * self.decay + weight
 
     _draft: list = field(default_factory=lambda: [0.0, 0.0])  # decayed draft seconds, tokens
 
@@ -120,9 +144,13 @@ class BatchCost:
         """Seconds of a forward of R = 1..max_rows rows, never less than of fewer rows.  With
         ``prior`` (a controller that timed lone windows on this machine) its curve gives the
         shape, scaled to the batched forwards timed (their ratio to it, interpolated between the
-        sizes timed); else a line through them.  (The running maximum keeps one slow sample of a
-        size, all the plan knows of it early on, from making wider forwards look cheaper than it,
-        which would have the plan draft where every forward costs more.)  With ``split_rows``,
+        sizes timed); else a line through them.  The sizes timed are first made non-decreasing
+        in rows by a fit weighted by how often (and how lately) each was timed (:func:`isotonic`):
+        one slow sample of a size, all the plan knows of it early on, neither makes wider
+        forwards look cheaper than it (the plan would draft where every forward costs more) nor,
+        once wider sizes have been timed often for less, keeps every size above it dear (on a
+        GPU, a slow calibration forward of 1 or 4 rows made plain rounds of 8 look dearer than
+        drafting rounds of 64).  With ``split_rows``,
         a round of more rows is several decodes of whole windows: ``n_seqs`` windows of R / n_seqs
         rows each where R is a multiple of it (what the plan asks for), else full decodes."""
         return list(np.maximum.accumulate(self._curve(prior, n_seqs)))
@@ -148,7 +176,8 @@ class BatchCost:
         return out
 
     def _one_decode_curve(self, prior: AdaptiveK | None, upto: int | None = None) -> list[float]:
-        seen = {r: t / c for r, (t, c) in self._time.items() if c > 0.05 and (upto is None or r <= upto)}
+        timed = sorted((r, t / c, c) for r, (t, c) in self._time.items() if c > 0.05 and (upto is None or r <= upto))
+        seen = dict(zip((r for r, _, _ in timed), isotonic([m for _, m, _ in timed], [c for _, _, c in timed])))
         lone = prior.target_costs(self.max_rows) if prior is not None else None
         if lone is not None:
             if not seen:

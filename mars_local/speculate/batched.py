@@ -53,7 +53,7 @@ from ..llama.eagle3 import open_eagle3
 from ..llama.mtp import open_mtp
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, exact_reuse
 from . import native
-from .batch_cost import BatchCost, DraftOrNot, choose_window, plan_drafting
+from .batch_cost import CALIBRATION_WEIGHT, BatchCost, DraftOrNot, choose_window, plan_drafting
 from .batch_stream import BatchStream, _Seq
 from .lockstep import draft_lockstep
 from .controls import Controls, StopScanner
@@ -289,7 +289,7 @@ class Scheduler:
             for _ in range(2):  # the first forward of a new shape builds its graph
                 t0 = time.perf_counter()
                 self.mc.decode_windows([(s.view.seq_id, [last] * rows)])
-                self.cost.observe(rows, time.perf_counter() - t0)
+                self.cost.observe(rows, time.perf_counter() - t0, CALIBRATION_WEIGHT)
                 s.view.truncate(base)
         s.view.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
         self.calibrated = True
