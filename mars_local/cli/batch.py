@@ -168,11 +168,9 @@ def _generate(output: str, lock, todo: list, state, gen, choice, strict: bool, t
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     eng = gen.engine(choice)
-    if parallel == 0:
-        from ..speculate.batch_cost import auto_parallel
+    from ..speculate.batch_cost import resolve_parallel
 
-        parallel = auto_parallel(eng)
-    parallel = min(parallel, len(todo))
+    parallel = min(resolve_parallel(eng, parallel), len(todo))
     tally.t_start = time.monotonic()
     writer = None
     try:

@@ -72,12 +72,10 @@ def serve(
         sock.close()
         raise
     try:
-        if parallel == 0:
-            from ..speculate.batch_cost import auto_parallel
+        from ..speculate.batch_cost import resolve_parallel
 
-            parallel = auto_parallel(eng)
         _serve(eng, sock, choice, cfg, host=host, alias=alias, api_key=api_key, queue=queue, quiet=quiet,
-               origins=origins, hosts=hosts, parallel=parallel)
+               origins=origins, hosts=hosts, parallel=resolve_parallel(eng, parallel))
     finally:
         sock.close()
         eng.close()

@@ -11,7 +11,8 @@ import numpy as np
 from ..core.defaults import SETTINGS
 from .adaptive import AdaptiveK, expected_tokens
 
-__all__ = ["choose_window", "plan_drafting", "isotonic", "BatchCost", "DraftOrNot", "auto_parallel", "MAX_ROWS"]
+__all__ = ["choose_window", "plan_drafting", "isotonic", "BatchCost", "DraftOrNot", "auto_parallel", "resolve_parallel",
+           "MAX_ROWS"]
 
 MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (llama.streams.MAX_INVARIANT_ROWS)
 # what one calibration forward counts for against one of a real round: calibration times each
@@ -286,6 +287,11 @@ class DraftOrNot:
         self._since[pick] = 0
         self._since[not pick] += 1
         return pick
+
+
+def resolve_parallel(engine, parallel: int) -> int:
+    """``--parallel`` as given (``mars batch``, ``mars serve``): 0 is :func:`auto_parallel`'s."""
+    return auto_parallel(engine) if parallel == 0 else parallel
 
 
 def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
