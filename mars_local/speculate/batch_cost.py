@@ -65,9 +65,17 @@ def choose_window(accepts: Sequence[Sequence[float]], costs: Sequence[float], k_
     return best_k
 
 
+# the rate a plan's drafting must promise over plain rounds' before the plan drafts: near the
+# break-even the plan's choice flips with noise, every flip brings DraftOrNot's trials back, and a
+# trial of drafting pays a catch-up of every sequence (F16 stand-in on 2 cores, serving-like
+# batches of 4 sequences: 0.94x plain rounds' rate without the margin, 1.04x with it;
+# BENCHMARKS.md, run 23)
+PLAN_MARGIN = 1.05
+
+
 def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], per_token: float, k_room: int,
-                  lags: Sequence[int] = (), remaining: Sequence[int] = (), row_s: float = 0.0
-                  ) -> tuple[int, int, float]:
+                  lags: Sequence[int] = (), remaining: Sequence[int] = (), row_s: float = 0.0,
+                  margin: float = PLAN_MARGIN) -> tuple[int, int, float]:
     """A draft model's round, planned before it drafts (pure): ``(k, k_draft, switch_s)``.
 
     ``accepts[i]``: sequence i's estimated acceptance per draft position (k_room of them);
@@ -78,13 +86,14 @@ def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], pe
     spread over the rounds it has left (``remaining[i]`` tokens at most, at the expected tokens
     of a round), so a sequence near its end does not pay for a catch-up it cannot earn back.
 
-    ``k``: the k of the best rate, 0 = plain rounds; ``k_draft``: the best k >= 1 (what a round
-    that drafts uses); ``switch_s``: the catch-up per round at ``k_draft``.
+    ``k``: the k of the best rate, 0 = plain rounds unless drafting's best rate is ``margin``
+    times theirs or more; ``k_draft``: the best k >= 1 (what a round that drafts uses);
+    ``switch_s``: the catch-up per round at ``k_draft``.
     """
     n = len(accepts)
     lags = list(lags) or [0] * n
     remaining = list(remaining) or [1 << 30] * n
-    best_k, best, best_draft = 0, -1.0, (1, -1.0, 0.0)
+    plain, best_draft = -1.0, (1, -1.0, 0.0)
     for k in range(0, k_room + 1):
         rows = n * (k + 1)
         if rows > len(costs):
@@ -92,11 +101,12 @@ def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], pe
         per_seq = [expected_tokens(list(a[:k]), k) if k else 1.0 for a in accepts]
         switch = sum(lag * row_s / max(1.0, left / e) for lag, left, e in zip(lags, remaining, per_seq) if lag) if k else 0.0
         rate = sum(per_seq) / (costs[rows - 1] + per_token * n * k + switch)
-        if rate > best * 1.0001:
-            best_k, best = k, rate
-        if k and rate > best_draft[1] * 1.0001:
+        if not k:
+            plain = rate
+        elif rate > best_draft[1] * 1.0001:
             best_draft = (k, rate, switch)
-    return best_k, best_draft[0], best_draft[2]
+    drafts = best_draft[1] > 0 and best_draft[1] >= plain * margin
+    return best_draft[0] if drafts else 0, best_draft[0], best_draft[2]
 
 
 @dataclass
@@ -222,9 +232,11 @@ class DraftOrNot:
     (what a forward of n rows from n sequences costs, scaled from other shapes), and drafting
     it wrongly prefers must not go on for ``explore`` rounds twice before it is found out.
 
-    What the rounds' rates leave out is the price of a switch to drafting: a draft model that
-    skipped rounds catches up with every sequence's missed tokens first (at 8 sequences, a
-    few plain rounds' time).  Hence these rules:
+    A drafting round's time includes, while drafting goes on, the draft model's catch-up on
+    prompts that joined (a recurring cost of drafting: :meth:`.Scheduler._round`).  What the
+    rates leave out is the price of a switch to drafting: a draft model that skipped rounds
+    catches up with every sequence's missed tokens first (at 8 sequences, a few plain rounds'
+    time).  Hence these rules:
 
     * hysteresis: from plain rounds, drafting is taken up only where its rounds deliver
       ``enter`` (10 %) more; between the margins the current mode stays;

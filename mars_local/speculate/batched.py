@@ -105,6 +105,7 @@ class Scheduler:
         self._prefill_rate = [0.0, 0.0]  # decayed prefill seconds, tokens
         self._catch = [0.0, 0.0]  # a draft model's catch-ups: decayed seconds, tokens
         self._draft_timed = False  # _calibrate_draft timed (or failed to time) the draft model
+        self._drafted_last = False  # the last round with a draft model drafted (DraftOrNot said so)
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -346,8 +347,10 @@ class Scheduler:
             drafting = self.mode.choose(k_plan > 0, switch_s, measured)
             k_room = min(k_room, k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
+        t_catch = clock()
         if k_room > 0:
             self._draft_prompts(seqs)
+        t_catch = clock() - t_catch
         before = sum(s.run.generated for s in seqs)
         t0 = clock()
         drafts = self._draft_all(seqs, [min(c, k_room) for c in caps])
@@ -370,7 +373,14 @@ class Scheduler:
             d = _cut(d, k)
             self._guard(s, lambda: self._finish_round(s, d, z, t_target / len(seqs), t_draft / len(seqs)))
         if drafting is not None:
-            self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before, clock() - t0)
+            # while drafting goes on, a catch-up is the draft model reading joining prompts: a cost
+            # of drafting rounds like their draft steps (on a CPU at 8 sequences a sixth of their
+            # time).  After plain rounds it is the price of the switch, which the plan prices
+            # (switch_s) before DraftOrNot compares rates: not counted twice.
+            steady = drafting and self._drafted_last
+            self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before,
+                              clock() - t0 + (t_catch if steady else 0.0))
+            self._drafted_last = drafting
 
     def _plan_costly(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
         """The round's k before a draft model drafts, every sequence at its pooled acceptance

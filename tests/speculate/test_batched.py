@@ -4,6 +4,7 @@ the batch, joins and leaves, isolation of per-request settings, and the round's 
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -14,8 +15,8 @@ from mars_local.core.errors import MarsError
 from mars_local.llama.runtime import GPU_INVARIANT_ROWS, Model, invariant_rows
 from mars_local.llama.streams import MultiContext, exact_reuse
 from mars_local.speculate.adaptive import POOL
-from mars_local.speculate.batch_cost import (CALIBRATION_WEIGHT, BatchCost, DraftOrNot, choose_window, isotonic,
-                                              plan_drafting)
+from mars_local.speculate.batch_cost import (CALIBRATION_WEIGHT, PLAN_MARGIN, BatchCost, DraftOrNot, choose_window,
+                                              isotonic, plan_drafting)
 from mars_local.speculate.batched import Scheduler
 
 PROMPTS = [f"item {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 4) + "and" * (i % 3)
@@ -724,6 +725,16 @@ def test_a_plan_spreads_the_catch_up_over_the_rounds_left(n, lags, remaining, dr
     assert (switch > 0) is any(lags)
 
 
+@pytest.mark.parametrize("gain, k", [(1.03, 0), (1.049, 0), (1.06, 1), (1.5, 1)])
+def test_a_plan_drafts_only_where_drafting_promises_a_margin_over_plain_rounds(gain, k):
+    """Near the break-even the plan's choice would flip with noise (each flip bringing trials of
+    drafting, and their catch-ups, back): drafting must promise PLAN_MARGIN (5 %) more."""
+    assert PLAN_MARGIN == 1.05
+    costs = [1.0, 1.5 / gain, 3.0]  # one sequence: plain 1 token / 1 s; k = 1: 1.5 tokens / (1.5 / gain) s
+    got = plan_drafting([[0.5]], costs, per_token=0.0, k_room=1)
+    assert got[0] == k and got[1] == 1  # the best k >= 1 is what a drafting round uses either way
+
+
 def test_plain_rounds_are_tried_soon_where_the_plan_prefers_drafting():
     """The plan's cost of plain rounds at n sequences is scaled from other shapes until one runs;
     a trial of plain costs nothing to switch to, so it comes after 4 drafting rounds (not 16),
@@ -789,6 +800,44 @@ def test_the_draft_model_is_timed_once_as_part_of_its_catch_up(engines):
         assert sched.cost.draft_measured and sched._catch[1] > 0
     finally:
         sched.close()
+    assert [o.tokens for o in outs] == want
+
+
+def test_a_catch_up_while_drafting_counts_in_the_drafting_rounds_rate_and_a_switch_does_not(engines):
+    """A prompt joining while drafting goes on has the draft model read it before the round:
+    that catch-up is a cost of drafting (CPU, 8 sequences: a sixth of a drafting round), so the
+    round's time DraftOrNot compares includes it.  The first drafting round's catch-up (a
+    switch, priced by the plan) is not counted there twice."""
+    eng = engines["model"]
+    want = [plain(eng, p, 12) for p in PROMPTS[:3]]
+    sched = Scheduler(eng, 2)
+    pause = 0.3
+    try:
+        sched.calibrated = True
+        sched.mode.choose = lambda planned, *_: True  # every round drafts
+        real = sched._draft_prompts
+
+        def slow_catch_up(seqs):
+            lagging = [s for s in seqs if sched._lag(s)]
+            real(seqs)
+            if lagging:
+                time.sleep(pause)
+
+        sched._draft_prompts = slow_catch_up
+        seen = []
+        observe = sched.mode.observe
+
+        def spy(drafted, tokens, seconds):
+            seen.append((drafted, seconds))
+            observe(drafted, tokens, seconds)
+
+        sched.mode.observe = spy
+        outs = sched.generate_many(PROMPTS[:3], max_tokens=12, temperature=0, ignore_eos=True, verify="strict")
+    finally:
+        sched.close()
+    assert seen and all(d for d, _ in seen)
+    assert seen[0][1] < pause  # the switch: the two first prompts' catch-up
+    assert sum(sec >= pause for _, sec in seen[1:]) == 1  # the third prompt, joining while drafting
     assert [o.tokens for o in outs] == want
 
 
