@@ -399,7 +399,9 @@ class Scheduler:
         remaining = [s.run.cfg.max_tokens - s.run.generated if not s.run.cfg.unlimited
                      else s.view.n_ctx - len(s.run.tokens) for s in seqs]
         k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior, len(seqs)), per_token, k_room, lags, remaining, row_s)
-        return k, k_draft, switch_s, self.cost.draft_measured and prior.measured() and self.calibrated
+        # (the draft's cost is the scheduler's own, timed in its batched decodes: the controller's
+        # timing of lone drafts, which batched rounds never update, is not asked for)
+        return k, k_draft, switch_s, self.cost.draft_measured and prior.acceptance_measured() and self.calibrated
 
     def _lag(self, s: _Seq) -> int:
         """Tokens a draft model's cache must catch up on before the sequence drafts (0: none
