@@ -159,11 +159,6 @@ class AdaptiveK:
         costs = self.target_costs(w)
         return None if costs is None else costs[w - 1]
 
-    def measured(self, n: int = 20) -> bool:
-        """Whether acceptance (``n`` draft tokens at least, decayed) and the draft's cost are
-        learned rather than priors."""
-        return self.acceptance_measured(n) and self._draft[1] > 0
-
     def acceptance_measured(self, n: int = 20) -> bool:
         """Whether acceptance is learned (``n`` draft tokens at least, decayed), here or in earlier runs."""
         acc, rej = self._counts.get(POOL, (0.0, 0.0))

@@ -347,10 +347,7 @@ class Scheduler:
             drafting = self.mode.choose(k_plan > 0, switch_s, measured)
             k_room = min(k_room, k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
-        t_catch = clock()
-        if k_room > 0:
-            self._draft_prompts(seqs)
-        t_catch = clock() - t_catch
+        t_catch = self._draft_prompts(seqs) if k_room > 0 else 0.0
         before = sum(s.run.generated for s in seqs)
         t0 = clock()
         drafts = self._draft_all(seqs, [min(c, k_room) for c in caps])
@@ -380,7 +377,7 @@ class Scheduler:
             steady = drafting and self._drafted_last
             self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before,
                               clock() - t0 + (t_catch if steady else 0.0))
-            self._drafted_last = drafting
+        self._drafted_last = bool(drafting)  # (a round that did not plan drafting did not draft either)
 
     def _plan_costly(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
         """The round's k before a draft model drafts, every sequence at its pooled acceptance
@@ -411,17 +408,17 @@ class Scheduler:
         lag = len(s.run.tokens) - 1 - s.dview.n_past
         return lag if lag > 2 else 0
 
-    def _draft_prompts(self, seqs: list[_Seq]) -> None:
+    def _draft_prompts(self, seqs: list[_Seq]) -> float:
         """A draft model's cache that lags by more than a drafting round leaves (its prompt: the
         draft prefills lazily, when drafting is first planned; or the tokens of rounds that did
         not draft) is brought up to date before the round's draft is timed: drafting's cost per
         token and its rounds' rate are those of drafting every round (the catch-up is the price
         of switching, paid once).  Every lagging sequence catches up in the same decodes (a
         unified draft cache), so a switch costs one prefill of the rows missed, not one per
-        sequence."""
+        sequence.  Returns the seconds it took (0 when no cache lagged)."""
         lag = [s for s in seqs if self._lag(s)]
         if not lag:
-            return
+            return 0.0
         t0 = time.perf_counter()
         missed = [self._lag(s) for s in lag]
         try:  # (every draft context is a unified cache: a draft model's, an MTP layer's, an EAGLE-3 head's)
@@ -435,6 +432,7 @@ class Scheduler:
         for s, n in zip(lag, missed):
             if not s.run.generated:  # the draft's prompt: a share of the prefill, by rows
                 s.run.stats.time_prompt_s += dt * n / sum(missed)
+        return dt
 
     def _draft_all(self, seqs: list[_Seq], caps: list[int]) -> list[Draft]:
         """Every sequence's draft: cheap drafters propose on their own; draft models draft in

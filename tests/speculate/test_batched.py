@@ -815,15 +815,13 @@ def test_a_catch_up_while_drafting_counts_in_the_drafting_rounds_rate_and_a_swit
     try:
         sched.calibrated = True
         sched.mode.choose = lambda planned, *_: True  # every round drafts
-        real = sched._draft_prompts
+        extend = sched.dmc.extend
 
-        def slow_catch_up(seqs):
-            lagging = [s for s in seqs if sched._lag(s)]
-            real(seqs)
-            if lagging:
-                time.sleep(pause)
+        def slow_extend(parts):  # every catch-up of the draft cache (and the draft's calibration)
+            extend(parts)
+            time.sleep(pause)
 
-        sched._draft_prompts = slow_catch_up
+        sched.dmc.extend = slow_extend
         seen = []
         observe = sched.mode.observe
 
