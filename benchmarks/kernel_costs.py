@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the exact (batch-invariant) build's kernels cost against stock llama.cpp, per weight type.
 
-    .venv/bin/python benchmarks/kernel_costs.py [-t 2] [--types F16,BF16,Q8_0,Q4_0,Q4_K_M,Q5_K_M,Q6_K] [--rounds 2]
+    .venv/bin/python benchmarks/kernel_costs.py [-t 2] [--types F16,BF16,Q8_0,Q4_0,Q4_1,Q4_K_M,Q5_K_M,Q6_K] [--rounds 2]
 
 Runs llama.cpp's own ``llama-bench`` twice per round, interleaved: once as built stock
 (``benchmarks/build_llama_tools.sh``, weight repacking on, as llama.cpp users get it) and once
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K")
 
 
 def cache_dir() -> Path:

@@ -49,6 +49,9 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
         "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
                                     "the tile; one row in 8x1 tiles and windows in 4xN tiles, each prefetching "
                                     "the next row tile, patches/0014)",
+        **({"Q4_1": "tinyBLAS at every batch size, where stock has only its dot kernels: one row in 8x1 tiles, "
+                    "each block's d*d'*dot and m*s summed as the dot kernel sums them, so every row is bit for bit "
+                    "stock's (patches/0016)"} if cols else {}),
         **({("Q4_K, Q6_K" if tiled_q5 else "Q4_K, Q5_K, Q6_K"):
             "ggml's dot kernel for one row; windows of up to 64 rows eight rows per weight row (patches/0004, "
             "0006: each result summed as the dot kernel sums it alone; 0007: a large matrix read once), tiled above"}
@@ -56,7 +59,7 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
         **({"Q5_K": "every row summed in the order of llama.cpp's tiled kernel: one row and windows of up to 8 rows "
                     "eight rows per weight row, 9+ rows the tiled kernel itself, at stock's speed (patches/0008)"}
            if tiled_q5 else {}),
-        ("Q2_K, Q3_K, Q4_1, Q5_1, other IQ" if cols else "K-quants, Q4_1, Q5_1, other IQ"): "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
+        ("Q2_K, Q3_K, Q5_1, other IQ" if cols else "K-quants, Q4_1, Q5_1, other IQ"): "ggml's dot kernels up to 64 rows (a 1-row step's kernel), tiled above",
         "repacked weights": "used for a quantized target only where its first load measured them exact on "
                             "this CPU and build (learned state below; e.g. Q4_0 on a Zen 4, and Q4_K: "
                             "patches/0005 makes its 1-row kernel sum as its batch kernel does)",

@@ -2,7 +2,8 @@
  * graph (the CPU backend's mul_mat op, its chunking and kernel choice included): for a weight type,
  * W (M x K, random, quantized by ggml) times N activation rows must give, for every row, bit for
  * bit what W times that row alone gives (a decoding step), for N = 2..64 (every verify window and
- * batched round within mars-local's exact bound, patches/0003).  Built against the installed
+ * batched round within mars-local's exact bound, patches/0003); and each row alone must be W times it
+ * (dequantized, in double precision) within what 8-bit activations can move a sum.  Built against the installed
  * llama-cpp-python's ggml by tests/llama/test_c_kernels.py; also cross-built for CPUs this machine
  * is not (an aarch64 build run under qemu-user: BENCHMARKS.md, "ARM").  Prints what differs,
  * exit status 1 if anything does.
@@ -88,6 +89,29 @@ int main(int argc, char ** argv) {
     for (int r = 0; r < nmax; r++) product(type, wq, K, M, x + (size_t) r * K, 1, threads, alone + (size_t) r * M);
     float * together = malloc(sizeof(float) * M * nmax);
     int bad = 0;
+    /* and the products themselves: each single row against the dequantized weights times the row in
+     * double precision, within what quantizing the activations (8 bits) can move a sum (a kernel
+     * that sums fast and wrong, e.g. a block's offset dropped, is invariant too) */
+    float * wd = malloc(sizeof(float) * K * M);
+    ggml_get_type_traits(type)->to_float(wq, wd, (int64_t) K * M);
+    for (int r = 0; r < nmax; r++) {
+        for (int i = 0; i < M; i++) {
+            double ref = 0, mag = 0;
+            for (int c = 0; c < K; c++) {
+                double t = (double) wd[(size_t) i * K + c] * x[(size_t) r * K + c];
+                ref += t;
+                mag += t < 0 ? -t : t;
+            }
+            double err = alone[(size_t) r * M + i] - ref;
+            if ((err < 0 ? -err : err) > 0.02 * mag + 1e-6) {
+                printf("%s, row %d output %d: %.9g, the float reference %.9g\n", argv[1], r, i, alone[(size_t) r * M + i], ref);
+                bad = 1;
+                r = nmax;
+                break;
+            }
+        }
+    }
+    free(wd);
     for (int wi = 0; wi < N_WINDOWS; wi++) {
         int n = WINDOWS[wi];
         product(type, wq, K, M, x, n, threads, together);

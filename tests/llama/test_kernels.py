@@ -19,12 +19,13 @@ def test_cpu_features_reads_the_features_that_are_on():
 @pytest.mark.parametrize("info", [ZEN4, AVX2])
 def test_x86_with_llamafile_names_the_tile_and_every_weight_family(info):
     paths = kernel_paths(info)
-    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0, Q5_0, IQ4_NL", "Q4_K, Q6_K", "Q5_K",
-                          "Q2_K, Q3_K, Q4_1, Q5_1, other IQ", "repacked weights"}
+    assert set(paths) == {"F16, BF16, F32", "Q8_0, Q4_0, Q5_0, IQ4_NL", "Q4_1", "Q4_K, Q6_K", "Q5_K",
+                          "Q2_K, Q3_K, Q5_1, other IQ", "repacked weights"}
     assert "eight rows per weight row" in paths["Q4_K, Q6_K"]
     assert "order of llama.cpp's tiled kernel" in paths["Q5_K"] and "patches/0008" in paths["Q5_K"]
     assert "8x1 tiles" in paths["F16, BF16, F32"]
-    assert "dot kernels up to 64 rows" in paths["Q2_K, Q3_K, Q4_1, Q5_1, other IQ"]
+    assert "dot kernels up to 64 rows" in paths["Q2_K, Q3_K, Q5_1, other IQ"]
+    assert "tinyBLAS at every batch size" in paths["Q4_1"] and "patches/0016" in paths["Q4_1"]
     assert "measured them exact" in paths["repacked weights"]
 
 
@@ -39,6 +40,7 @@ def test_q4_k_windows_take_the_column_kernel_only_where_it_is_built():
     """patches/0004 and 0006 are AVX2 code (AVX-512 builds compile it too); an AVX-only x86 build has no such kernel."""
     avx_only = AVX2.replace("AVX2 = 1 | ", "")
     assert "Q4_K, Q5_K, Q6_K" not in kernel_paths(avx_only) and "K-quants, Q4_1, Q5_1, other IQ" in kernel_paths(avx_only)
+    assert "Q4_1" not in kernel_paths(avx_only)  # (patches/0016's Q4_1 tiles are AVX2 code too)
 
 
 @pytest.mark.parametrize("info", [NEON, AVX2.replace("LLAMAFILE = 1", "LLAMAFILE = 0")])
