@@ -70,6 +70,17 @@ def test_a_window_row_equals_the_row_alone_through_ggml_mul_mat(window_checker, 
     assert proc.stdout.startswith(f"ok: {wtype},"), proc.stdout
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_q4_1_rows_and_prompts_in_every_tile_shape_equal_single_rows(window_checker, threads):
+    """patches/0016 sends Q4_1 through tinyBLAS at every batch size: with 100 weight rows (not a
+    multiple of the 8x1 or 4xN tiles, so one row takes the mixed tiles too) and prompts of 65-130
+    rows, every row must still equal the row alone and the float product."""
+    rows = ["2", "3", "5", "9", "17", "64", "65", "130"]
+    proc = subprocess.run([str(window_checker), "q4_1", str(threads), "576", "100", *rows], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("ok: q4_1, windows of 2-130 rows"), proc.stdout
+
+
 @pytest.fixture(scope="module")
 def model_checker(tmp_path_factory) -> Path:
     return _build("model_window_check", tmp_path_factory.mktemp("model"))
