@@ -29,11 +29,25 @@ mkdir -p "$K"
 build() {
     local sdist="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
     [ -f "$sdist" ] || { echo "no $sdist: run make install first" >&2; exit 2; }
-    if [ ! -f "$K/src/CMakeLists.txt" ]; then
-        rm -rf "$K/sdist" "$K/src" && mkdir -p "$K/sdist"
+    # the tree is patched again whenever patches/ changes (a kit built from an older tree missed
+    # patches/0013-0014's later form once); only the files that then differ are copied over, so
+    # ninja rebuilds what they touch, not every CUDA kernel (~35 minutes)
+    local stamp
+    stamp=$(cat "$ROOT"/patches/*.patch | sha256sum | cut -c1-16)
+    if [ ! -f "$K/src/CMakeLists.txt" ] || [ "$(cat "$K/src/.mars-patches" 2>/dev/null)" != "$stamp" ]; then
+        rm -rf "$K/sdist" && mkdir -p "$K/sdist"
         tar -xzf "$sdist" -C "$K/sdist" --strip-components=1
         for p in "$ROOT"/patches/*.patch; do (cd "$K/sdist" && patch -p1 --forward --silent < "$p"); done
-        mv "$K/sdist/vendor/llama.cpp" "$K/src" && rm -rf "$K/sdist"
+        if [ -f "$K/src/CMakeLists.txt" ]; then
+            (cd "$K/sdist/vendor/llama.cpp" && find . -type f ! -name .git) | while IFS= read -r f; do
+                cmp -s "$K/sdist/vendor/llama.cpp/$f" "$K/src/$f" || { mkdir -p "$(dirname "$K/src/$f")"; cp "$K/sdist/vendor/llama.cpp/$f" "$K/src/$f"; echo "updated $f"; }
+            done
+            rm -rf "$K/sdist"
+        else
+            rm -f "$K/sdist/vendor/llama.cpp/.git"  # (a submodule's pointer: cmake would ask git for a build number)
+            rm -rf "$K/src" && mv "$K/sdist/vendor/llama.cpp" "$K/src" && rm -rf "$K/sdist"
+        fi
+        echo "$stamp" > "$K/src/.mars-patches"
     fi
     local cb="$K/cublas/nvidia/cu13"
     if [ ! -f "$cb/lib/libcublas.so" ]; then
