@@ -38,13 +38,13 @@ build() {
         rm -rf "$K/sdist" && mkdir -p "$K/sdist"
         tar -xzf "$sdist" -C "$K/sdist" --strip-components=1
         for p in "$ROOT"/patches/*.patch; do (cd "$K/sdist" && patch -p1 --forward --silent < "$p"); done
+        rm -f "$K/sdist/vendor/llama.cpp/.git"  # (a submodule's pointer: cmake would ask git for a build number)
         if [ -f "$K/src/CMakeLists.txt" ]; then
-            (cd "$K/sdist/vendor/llama.cpp" && find . -type f ! -name .git) | while IFS= read -r f; do
+            (cd "$K/sdist/vendor/llama.cpp" && find . -type f) | while IFS= read -r f; do
                 cmp -s "$K/sdist/vendor/llama.cpp/$f" "$K/src/$f" || { mkdir -p "$(dirname "$K/src/$f")"; cp "$K/sdist/vendor/llama.cpp/$f" "$K/src/$f"; echo "updated $f"; }
             done
             rm -rf "$K/sdist"
         else
-            rm -f "$K/sdist/vendor/llama.cpp/.git"  # (a submodule's pointer: cmake would ask git for a build number)
             rm -rf "$K/src" && mv "$K/sdist/vendor/llama.cpp" "$K/src" && rm -rf "$K/sdist"
         fi
         echo "$stamp" > "$K/src/.mars-patches"
