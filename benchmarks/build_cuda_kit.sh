@@ -27,26 +27,20 @@ what=${1:-all}
 mkdir -p "$K"
 
 build() {
-    local sdist="$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz"
-    [ -f "$sdist" ] || { echo "no $sdist: run make install first" >&2; exit 2; }
-    # the tree is patched again whenever patches/ changes (a kit built from an older tree missed
-    # patches/0013-0014's later form once); only the files that then differ are copied over, so
-    # ninja rebuilds what they touch, not every CUDA kernel (~35 minutes)
-    local stamp
-    stamp=$(cat "$ROOT"/patches/*.patch | sha256sum | cut -c1-16)
-    if [ ! -f "$K/src/CMakeLists.txt" ] || [ "$(cat "$K/src/.mars-patches" 2>/dev/null)" != "$stamp" ]; then
-        rm -rf "$K/sdist" && mkdir -p "$K/sdist"
-        tar -xzf "$sdist" -C "$K/sdist" --strip-components=1
-        for p in "$ROOT"/patches/*.patch; do (cd "$K/sdist" && patch -p1 --forward --silent < "$p"); done
-        rm -f "$K/sdist/vendor/llama.cpp/.git"  # (a submodule's pointer: cmake would ask git for a build number)
-        if [ -f "$K/src/CMakeLists.txt" ]; then
-            (cd "$K/sdist/vendor/llama.cpp" && find . -type f) | while IFS= read -r f; do
-                cmp -s "$K/sdist/vendor/llama.cpp/$f" "$K/src/$f" || { mkdir -p "$(dirname "$K/src/$f")"; cp "$K/sdist/vendor/llama.cpp/$f" "$K/src/$f"; echo "updated $f"; }
-            done
-            rm -rf "$K/sdist"
-        else
-            rm -rf "$K/src" && mv "$K/sdist/vendor/llama.cpp" "$K/src" && rm -rf "$K/sdist"
-        fi
+    # the source: scripts/llama_tree.sh's patched sdist (a new tree whenever patches/ changes), copied
+    # into $K/src only where a file differs, so that ninja rebuilds what a patch touches, not every
+    # CUDA kernel (~35 minutes).  The submodule's .git pointer stays out (cmake would ask git for a
+    # build number).
+    local tree stamp
+    tree=$("$ROOT/scripts/llama_tree.sh" exact)
+    stamp=${tree##*/}
+    if [ "$(cat "$K/src/.mars-patches" 2>/dev/null)" != "$stamp" ]; then
+        local copied
+        mkdir -p "$K/src"
+        copied=$( (cd "$tree/vendor/llama.cpp" && find . -type f ! -path ./.git) | while IFS= read -r f; do
+            cmp -s "$tree/vendor/llama.cpp/$f" "$K/src/$f" || { mkdir -p "$(dirname "$K/src/$f")"; cp "$tree/vendor/llama.cpp/$f" "$K/src/$f"; echo "$f"; }
+        done | wc -l)
+        echo "$copied files of $tree copied into $K/src (new or changed)" >&2
         echo "$stamp" > "$K/src/.mars-patches"
     fi
     local cb="$K/cublas/nvidia/cu13"
