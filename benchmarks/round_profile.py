@@ -2,7 +2,8 @@
 """Where a batched round's time goes: llama_decode (windows, prefill, draft) against the Python around it.
 
     .venv/bin/python benchmarks/round_profile.py TARGET.gguf [-md DRAFT.gguf] [--parallel 1,4,16] \\
-        [-n 48] [--per-slot M] [--learned] [-t 2] [-ngl N] [--fast-kernels] [--json OUT]
+        [-n 48] [--per-slot M] [--learned] [-t 2] [-ngl N] [--fast-kernels] [--verify strict|mars]
+        [--serve-prompts] [--json OUT]
 
 For each N it decodes N bench prompts at once (``--per-slot M``: M x N prompts through N
 slots, each joining as one finishes, as serving's clients send them) through one :class:`mars_local.Scheduler`
@@ -104,18 +105,19 @@ def plan_seen(sch) -> dict:
             "round_rates": {k: None if v is None else round(v, 1) for k, v in rates.items()}}
 
 
-def profile(eng, n_parallel: int, prompts: list, n: int, per_slot: int = 1) -> dict:
+def profile(eng, n_parallel: int, prompts: list, n: int, per_slot: int = 1, verify: str | None = None) -> dict:
     from mars_local import Scheduler
 
     sch = Scheduler(eng, n_parallel)
     try:
         clock = DecodeClock(sch)
-        sch.generate_many(prompts[:n_parallel], max_tokens=8, temperature=0, ignore_eos=True)  # warm-up
+        opts = {"verify": verify} if verify else {}
+        sch.generate_many(prompts[:n_parallel], max_tokens=8, temperature=0, ignore_eos=True, **opts)  # warm-up
         clock.reset()
         r0 = sch.rounds
         t0 = time.perf_counter()
         outs = sch.generate_many(prompts[n_parallel:(1 + per_slot) * n_parallel], max_tokens=n, temperature=0,
-                                 ignore_eos=True)
+                                 ignore_eos=True, **opts)
         wall = time.perf_counter() - t0
         rounds = max(1, sch.rounds - r0)
         plan = plan_seen(sch)
@@ -145,6 +147,10 @@ def main(argv=None) -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-ngl", type=int, default=None, help="GPU layers (default: all on a GPU build)")
     ap.add_argument("--fast-kernels", action="store_true", help="load the target as `--fast-kernels` does")
+    ap.add_argument("--verify", choices=("strict", "mars"), default=None,
+                    help="the verification rule (default: mars-local's)")
+    ap.add_argument("--serve-prompts", action="store_true",
+                    help="serve_bench.py's built-in prompts instead of the bench's")
     ap.add_argument("--json", default=None, metavar="OUT")
     a = ap.parse_args(argv)
     try:
@@ -169,14 +175,19 @@ def main(argv=None) -> int:
     rows = []
     with Engine(a.target, a.model_draft, drafter=drafter, n_ctx=1024, n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngl,
                 n_threads=a.threads, learned=a.learned, exact_kernels=not a.fast_kernels) as eng:
-        every = [eng.chat_prompt(p.messages) for p in load_prompts()]
+        if a.serve_prompts:
+            from serve_bench import PROMPTS
+
+            every = [eng.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
+        else:
+            every = [eng.chat_prompt(p.messages) for p in load_prompts()]
         need = (1 + a.per_slot) * max(ns)
         prompts = (every * (need // len(every) + 1))[:need]
         print("| N | rounds | drafting | tokens a round | tok/s | ms a round | windows | prefill | draft | "
               "catch-up | rest (Python) |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n_par in ns:
-            r = profile(eng, n_par, prompts, a.n, a.per_slot)
+            r = profile(eng, n_par, prompts, a.n, a.per_slot, a.verify)
             rows.append(r)
             ms = r["ms_per_round"]
             print(f"| {n_par} | {r['rounds']} | {r['drafting_rounds']} | {r['tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} | "

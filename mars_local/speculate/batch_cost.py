@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (l
 # size twice, back to back, once (on a GPU its first forwards of a shape can cost several times a
 # round's, and a size the rounds never use again would keep that cost for good)
 CALIBRATION_WEIGHT = 0.25
+# what the first forward of a batch shape counts for on a CPU (BatchCost.first_weight)
+CPU_FIRST_WEIGHT = 0.5
 
 
 def isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
@@ -120,20 +123,32 @@ class BatchCost:
     # n_batch if less): a forward of more rows is several decodes, and costs their sum where
     # not timed itself; None or max_rows and above: one decode
     split_rows: int | None = None
+    # what the first forward of a batch shape counts for (0: not timed).  On a GPU it captures
+    # a graph and costs several forwards; on a CPU it costs ~5 % more than the next, and a
+    # shape a round uses once (a trial of drafting at a new k) must count: untimed, its cost
+    # stays the lone curve's guess (measured on a Q4_K_M stand-in, 4 windows of 4 rows: 0.51 s
+    # a forward against 0.18 s guessed), and a plan that keeps guessing low keeps trying it
+    first_weight: float = 0.0
     _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
     _warm: set = field(default_factory=set)
 
     def observe(self, rows: int, seconds: float, weight: float = 1.0) -> None:
         """A forward of ``rows`` rows took ``seconds`` (``weight``: what it counts for, 1 for a
         round's forward, CALIBRATION_WEIGHT for a calibration's)."""
-        if rows not in self._warm:  # a new batch shape builds its graph once: not timed
+        if rows not in self._warm:  # a new batch shape builds its graph once
             self._warm.add(rows)
-            return
+            if self.first_weight <= 0.0:
+                return
+            weight *= self.first_weight
         slot = self._time.setdefault(rows, [0.0, 0.0])
         if slot[1] >= 1.0:  # a stall (another process, a page fault) counts at 1.5x the mean at most
             seconds = min(seconds, 1.5 * slot[0] / slot[1])
         slot[0] = slot[0] * self.decay + seconds * weight
         slot[1] = slot[1] * self.decay + weight
+
+    def timed(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows was timed here (a calibration's counts too)."""
+        return self._time.get(rows, (0.0, 0.0))[1] > 0.05
 
     _draft: list = field(default_factory=lambda: [0.0, 0.0])  # decayed draft seconds, tokens
 
@@ -276,6 +291,14 @@ class DraftOrNot:
         t, sec, n, dn = self._rate[drafted]
         # (one plain round is a measurement: n tokens in one forward; drafting rounds vary with acceptance)
         return t / (sec + extra_s * dn) if n >= (2 if drafted else 1) and sec > 0 else None
+
+    def peek(self, planned: bool, switch_s: float = 0.0, measured: bool = False) -> bool:
+        """What :meth:`choose` would answer now, nothing changed."""
+        held = copy.deepcopy(self.__dict__)
+        try:
+            return self.choose(planned, switch_s, measured)
+        finally:
+            self.__dict__ = held
 
     def choose(self, planned: bool, switch_s: float = 0.0, measured: bool = False) -> bool:
         """Draft this round?  ``planned``: what the cost model says (``measured``: from measured

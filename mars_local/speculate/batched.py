@@ -53,7 +53,7 @@ from ..llama.eagle3 import open_eagle3
 from ..llama.mtp import open_mtp
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, exact_reuse
 from . import native
-from .batch_cost import CALIBRATION_WEIGHT, BatchCost, DraftOrNot, choose_window, plan_drafting
+from .batch_cost import CALIBRATION_WEIGHT, CPU_FIRST_WEIGHT, BatchCost, DraftOrNot, choose_window, plan_drafting
 from .batch_stream import BatchStream, _Seq
 from .lockstep import draft_lockstep
 from .controls import Controls, StopScanner
@@ -63,6 +63,8 @@ from .grammar import GrammarState
 __all__ = ["Scheduler", "BatchStream"]  # BatchStream: speculate/batch_stream.py
 
 CALIBRATION_ROWS = (1, 4, 16, 64)
+# the controllers are saved at most this often while sequences finish (Scheduler._save_learned)
+SAVE_EVERY_S = 10.0
 
 
 class Scheduler:
@@ -88,7 +90,10 @@ class Scheduler:
             self.dmc = open_mtp(self.mc)
         elif engine.drafter_kind == "eagle3":  # the EAGLE-3 head, one sequence per target sequence
             self.dmc = open_eagle3(self.mc, engine.draft_model)
-        self.cost = BatchCost(split_rows=self.mc.max_rows)  # (the exact bound, n_batch: one decode's rows)
+        # (split_rows: the exact bound, n_batch: one decode's rows; a GPU's first forward of a
+        # shape captures its graph, a CPU's costs what the next does)
+        self.cost = BatchCost(split_rows=self.mc.max_rows,
+                              first_weight=0.0 if engine.target.offloaded else CPU_FIRST_WEIGHT)
         # the patched libllama's verify kernel when there is one (same results as numpy), chosen once
         self._verify_window = native.verify if native.available() else verify
         self.mode = DraftOrNot()  # a draft model's rounds: draft or not, from the rates delivered
@@ -106,6 +111,7 @@ class Scheduler:
         self._catch = [0.0, 0.0]  # a draft model's catch-ups: decayed seconds, tokens
         self._draft_timed = False  # _calibrate_draft timed (or failed to time) the draft model
         self._drafted_last = False  # the last round with a draft model drafted (DraftOrNot said so)
+        self._saved_at = time.perf_counter()  # the controllers last saved (_save_learned)
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -283,17 +289,59 @@ class Scheduler:
     def _calibrate(self, s: _Seq) -> None:
         """Time forwards of a few row counts once, on top of a live sequence's cells
         (rolled back after each): the round's choice needs the cost curve."""
-        base, last, held = s.view.n_past, s.run.tokens[-1], list(s.view.tokens)
         for rows in (r for r in CALIBRATION_ROWS if r <= self.mc.max_rows):
-            if base + rows >= s.view.n_ctx:
+            if not self._time_windows([s], rows, CALIBRATION_WEIGHT):
                 break
-            for _ in range(2):  # the first forward of a new shape builds its graph
-                t0 = time.perf_counter()
-                self.mc.decode_windows([(s.view.seq_id, [last] * rows)])
-                self.cost.observe(rows, time.perf_counter() - t0, CALIBRATION_WEIGHT)
-                s.view.truncate(base)
-        s.view.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
         self.calibrated = True
+
+    def _time_windows(self, seqs: list[_Seq], w: int, weight: float, times: int = 2) -> bool:
+        """Time a forward of a window of ``w`` rows on top of each of ``seqs``' cells (each
+        sequence's last token repeated; rolled back after each forward): a round's shape.  The
+        first forward of a shape builds its graph (BatchCost.observe weighs it).  False where a
+        context has no room for it."""
+        if any(s.view.n_past + w >= s.view.n_ctx for s in seqs):
+            return False
+        bases = [(s, s.view.n_past, list(s.view.tokens)) for s in seqs]
+        windows = [(s.view.seq_id, [s.run.tokens[-1]] * w) for s in seqs]
+        for _ in range(times):
+            t0 = time.perf_counter()
+            self.mc.decode_windows(windows)
+            self.cost.observe(len(seqs) * w, time.perf_counter() - t0, weight)
+            for s, base, _ in bases:
+                s.view.truncate(base)
+        for s, _, held in bases:
+            s.view.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
+        return True
+
+    def _probe_switch(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
+        """The round's plan (:meth:`_plan_costly`), its drafting shape timed first where a switch
+        to drafting would pay a catch-up of the draft caches (the sequences joined, or rounds
+        went by, while it was idle) and that shape (every sequence's window of k + 1 rows) was
+        never timed here.  Untimed, the plan's cost of it is the lone curve scaled by the shapes
+        timed, which a few slow lone samples can put far off: measured on the Xeon, a Q4_K_M
+        stand-in's 4 windows of 4 rows took 0.51 s a forward where the plan said 0.18, so the
+        plan kept drafting paying and every trial of it paid its catch-up (a second of the draft
+        reading 4 prompts).  A forward of that shape costs a round's forward; its catch-up, at 4
+        sequences or more, several rounds'.  Plain rounds' shape (one row a sequence) is timed
+        first where it was not: drafting is weighed against it.  Three probes a round at most."""
+        plan = self._plan_costly(seqs, k_room)
+        if self._drafted_last or self.eng.target.offloaded:  # (a GPU: a forward of 16 rows costs one row's)
+            return plan
+        for _ in range(3):
+            k, k_draft, switch_s, measured = plan
+            if not any(self._lag(s) for s in seqs) or not self.mode.peek(k > 0, switch_s, measured):
+                break  # (no catch-up to pay, or a round that stays plain: no probe)
+            # plain rounds' shape first (what drafting is weighed against), then drafting's
+            w = next((w for w in (1, k_draft + 1) if not self.cost.timed(len(seqs) * w)), None)
+            if w is None:
+                break
+            try:
+                if not self._time_windows(seqs, w, 1.0, times=1 if self.cost.first_weight else 2):
+                    break
+            except Exception:  # noqa: BLE001 - then the trial measures it (a failing decode fails the round)
+                break
+            plan = self._plan_costly(seqs, k_room)
+        return plan
 
     def _calibrate_draft(self, seqs: list[_Seq]) -> None:
         """Time a draft model's decodes once, as part of the catch-up they are: a draft step (one
@@ -343,7 +391,7 @@ class Scheduler:
         if costly and k_room > 0:  # plan before a draft model drafts: pooled acceptance, draft cost per token
             if not self.cost.draft_measured and self.eng.drafter_kind == "model" and not self._draft_timed:
                 self._calibrate_draft(seqs)
-            k_plan, k_draft, switch_s, measured = self._plan_costly(seqs, k_room)
+            k_plan, k_draft, switch_s, measured = self._probe_switch(seqs, k_room)
             drafting = self.mode.choose(k_plan > 0, switch_s, measured)
             k_room = min(k_room, k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
@@ -532,6 +580,16 @@ class Scheduler:
             run.controls.close()
             run.stats.time_total_s = time.perf_counter() - s.t_start if s.t_start else 0.0
             s.done = True
+            if run.ctrl is not None and time.perf_counter() - self._saved_at > SAVE_EVERY_S:
+                self._save_learned()
+
+    def _save_learned(self) -> None:
+        """Keep what the controllers learned (acceptance, from every sequence's rounds) for the
+        next process, as a lone Engine does after each generation: a server restarted, or the
+        next ``mars batch``, starts from it instead of trying drafting to find it out.  At most
+        every SAVE_EVERY_S seconds while sequences finish, and on close."""
+        self._saved_at = time.perf_counter()
+        self.eng.controllers.save()
 
     def _guard(self, s: _Seq, fn):
         """Run one sequence's step; its failure ends that sequence only."""
@@ -571,6 +629,8 @@ class Scheduler:
     def close(self) -> None:
         for s in list(self._waiting) + list(self._live.values()):
             self._cancel(s)
+        if any(True for _ in self.eng.controllers):
+            self._save_learned()
         for mc in (self.mc, self.dmc):
             if mc is not None:
                 mc.close()

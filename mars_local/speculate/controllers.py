@@ -68,7 +68,7 @@ class Controllers:
                     if key and (state := self._store.get(key)):
                         ctrl.import_state(state)
             if self._store is not None:
-                ctrl.import_state(self._store.get(self._accept_key(regime)) or {})
+                ctrl.import_state(self._store.get(self._accept_key(regime)) or self._strict_prior(regime) or {})
             self._by_regime[regime] = ctrl
         ctrl.k_max = k_max
         return ctrl
@@ -91,6 +91,15 @@ class Controllers:
         # Acceptance depends on the rule (and θ, and sampling); window costs
         # only on the target, so controllers of different rules share them.
         return self.get((cfg.verify, cfg.theta if cfg.verify == "mars" else None, cfg.sampling.greedy), k_max)
+
+    def _strict_prior(self, regime: tuple) -> dict | None:
+        """A MARS regime never learned yet starts from strict verification's acceptance of the
+        same pair (MARS accepts every draft strict does, and more): a prior its own rounds soon
+        outweigh (import_state caps it), rather than the blind prior that makes a batch's plan
+        try drafting just to learn what the pair's strict runs already know."""
+        if not regime or regime[0] != "mars":
+            return None
+        return self._store.get(self._accept_key(("strict", None, *regime[2:])))
 
     def _accept_key(self, regime: tuple) -> str:
         k = self._keys

@@ -881,3 +881,112 @@ def test_where_measured_acceptance_says_drafting_cannot_pay_no_round_drafts(engi
     assert sched.rounds > 30
     assert sum(o.stats.n_drafted for o in outs) == 0
     assert extends == [1]  # the calibration's catch-up only
+
+
+@pytest.mark.parametrize("first_weight", [0.0, 0.5])
+def test_a_shapes_first_forward_counts_only_where_it_costs_what_the_next_does(first_weight):
+    """A GPU's first forward of a shape captures its graph (not timed); a CPU's costs about what
+    the next does, and a shape a round uses once (a trial of drafting at a new k) must count, or
+    the plan keeps the lone curve's guess for it (on the Xeon 0.18 s for 0.51 s) and keeps
+    trying it."""
+    c = BatchCost(max_rows=8, first_weight=first_weight)
+    for rows, t in ((2, 0.2), (6, 0.6)):
+        c.observe(rows, t)
+    assert c.timed(2) == c.timed(6) == (first_weight > 0)
+    if first_weight:
+        got = c.costs()
+        assert got[1] == pytest.approx(0.2) and got[5] == pytest.approx(0.6)
+        c.observe(6, 0.9)  # a second forward outweighs the first
+        assert 0.75 < c.costs()[5] < 0.9
+
+
+def test_draft_or_not_peek_answers_as_choose_and_changes_nothing():
+    rng = random.Random(3)
+    a, b = DraftOrNot(explore=4), DraftOrNot(explore=4)
+    for i in range(200):
+        planned, measured = rng.random() < 0.5, rng.random() < 0.3
+        if i % 7 == 0:
+            drafted, tokens = rng.random() < 0.5, rng.randint(1, 20)
+            for m in (a, b):
+                m.observe(drafted, tokens, 1.0)
+        peeked = [a.peek(planned, 0.0, measured) for _ in range(3)]
+        got = a.choose(planned, 0.0, measured)
+        assert peeked == [got] * 3 and got == b.choose(planned, 0.0, measured)
+
+
+def test_a_mars_regime_never_learned_starts_from_strict_acceptance(tmp_path):
+    """MARS accepts every draft strict verification does: where the store has the pair's strict
+    acceptance and no MARS one, the MARS controller starts from it (measured, so a batch's plan
+    need not try drafting to find it out); a MARS acceptance of its own is taken as it is."""
+    from mars_local.speculate.controllers import Controllers
+    from mars_local.speculate.learned import LearnedStore
+
+    keys = {"costs": None, "draft": None, "drafter": "D", "target": "T"}
+    store = LearnedStore(tmp_path / "learned.json")
+    store.put("accept|T|D|strict/None/True", {"counts": [[POOL, 27.0, 3.0]]})
+    ctrls = Controllers(store, keys, gpu=False)
+    mars = ctrls.get(("mars", 0.9, True), 8)
+    strict = ctrls.get(("strict", None, True), 8)
+    assert mars.acceptance_measured() and mars.acceptance(None) > 0.8
+    assert mars.acceptance(None) == pytest.approx(strict.acceptance(None))
+    assert not ctrls.get(("strict", None, False), 8).acceptance_measured()  # sampling: another pair of counts
+    store.put("accept|T|D|mars/0.9/True", {"counts": [[POOL, 5.0, 15.0]]})
+    assert Controllers(store, keys, gpu=False).get(("mars", 0.9, True), 8).acceptance(None) < 0.4
+
+
+def test_the_scheduler_keeps_what_its_rounds_learned_for_the_next_process(tiny_target, tiny_draft, tmp_path):
+    """A lone Engine saves its controllers after each generation; the scheduler (a server, `mars
+    batch`) saves them too, so a restarted server starts from the acceptance its rounds learned."""
+    from mars_local.speculate.learned import LearnedStore
+
+    path = tmp_path / "learned.json"
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=256, n_threads=2, learned=LearnedStore(path)) as eng:
+        sched = Scheduler(eng, 2)
+        try:
+            sched.mode.choose = lambda planned, *_: True  # every round drafts (acceptance to learn)
+            sched.generate_many(PROMPTS[:2], max_tokens=12, temperature=0, ignore_eos=True, verify="strict")
+        finally:
+            sched.close()
+    accept = [v for k, v in LearnedStore(path).entries().items() if k.startswith("accept|") and k.endswith("strict/None/True")]
+    assert len(accept) == 1
+    pooled = dict((key, (acc, rej)) for key, acc, rej in accept[0]["counts"])[POOL]
+    assert sum(pooled) >= 2  # the rounds' draft tokens, judged
+
+
+def test_a_switch_to_drafting_times_its_shapes_before_the_draft_catches_up(engines):
+    """Before a switch to drafting makes the draft model read what it missed (prompts joined,
+    rounds went by), the plan's shapes never timed here are: plain rounds' (one row a sequence)
+    and drafting's (k + 1 rows each).  The probes roll back what they add: every sequence's
+    cells and tokens are as before, and strict output stays exact."""
+    eng = engines["model"]
+    want = [plain(eng, p, 10) for p in PROMPTS[:3]]
+    sched = Scheduler(eng, 3)
+    events = []
+    try:
+        sched.calibrated = True
+        sched.mode.choose = lambda planned, *_: True  # every round drafts
+        probe, catch = sched._time_windows, sched._draft_prompts
+
+        def spy_probe(seqs, w, weight, times=2):
+            before = [(s.view.n_past, list(s.view.tokens)) for s in seqs]
+            ok = probe(seqs, w, weight, times)
+            assert [(s.view.n_past, list(s.view.tokens)) for s in seqs] == before
+            events.append(("probe", (len(seqs), w)))
+            return ok
+
+        def spy_catch(seqs):
+            lagging = any(sched._lag(s) for s in seqs)
+            dt = catch(seqs)
+            if lagging:
+                events.append(("catch", None))
+            return dt
+
+        sched._time_windows, sched._draft_prompts = spy_probe, spy_catch
+        outs = sched.generate_many(PROMPTS[:3], max_tokens=10, temperature=0, ignore_eos=True, verify="strict")
+    finally:
+        sched.close()
+    first_catch = events.index(("catch", None))
+    probed = [shape for what, shape in events[:first_catch] if what == "probe"]
+    assert probed and probed[0][1] == 1 and any(w > 1 for _, w in probed)  # plain rounds' shape first, then drafting's
+    assert all(sched.cost.timed(n * w) for n, w in probed)
+    assert [o.tokens for o in outs] == want
