@@ -97,10 +97,10 @@ class DecodeClock:
 def plan_seen(sch) -> dict:
     """What the scheduler's plan knew at the end: the target forwards it timed (ms by rows, the
     decayed means it chooses k from), a draft token's cost, and the rates of whole rounds that
-    drafted and that did not (tokens/s; DraftOrNot's)."""
+    drafted and that did not at N sequences (tokens/s; DraftOrNot's)."""
     c = sch.cost
     timed = {r: round(1e3 * t / n, 2) for r, (t, n) in sorted(c._time.items()) if n > 0.05}
-    rates = {name: sch.mode.rate(flag) for name, flag in (("drafting", True), ("plain", False))}
+    rates = {name: sch.mode.rate(flag, 0.0, sch.n_parallel) for name, flag in (("drafting", True), ("plain", False))}
     return {"forward_ms": timed, "draft_token_ms": round(1e3 * c.draft_cost(), 3) if c.draft_measured else None,
             "round_rates": {k: None if v is None else round(v, 1) for k, v in rates.items()}}
 

@@ -247,6 +247,12 @@ class DraftOrNot:
     (what a forward of n rows from n sequences costs, scaled from other shapes), and drafting
     it wrongly prefers must not go on for ``explore`` rounds twice before it is found out.
 
+    Rates are kept per load (``n``: the sequences a round carries) and compared at the load of
+    the round: a round of one sequence delivers fewer tokens per second than one of four, so
+    drafting rounds timed while a server's first request ran alone (16 tok/s on the F16
+    stand-in) made drafting look worse than plain rounds of four (28), and a server whose
+    drafting rounds of four delivered 31 stayed plain (BENCHMARKS.md, run 30).
+
     A drafting round's time includes, while drafting goes on, the draft model's catch-up on
     prompts that joined (a recurring cost of drafting: :meth:`.Scheduler._round`).  What the
     rates leave out is the price of a switch to drafting: a draft model that skipped rounds
@@ -273,7 +279,8 @@ class DraftOrNot:
                  explore_plain: int = 4):
         self.decay, self.explore, self.margin, self.enter = decay, explore, margin, enter
         self.explore_plain = explore_plain
-        self._rate = {True: [0.0, 0.0, 0, 0.0], False: [0.0, 0.0, 0, 0.0]}  # tokens, seconds, rounds, decayed rounds
+        # per load: {drafted: [tokens, seconds, rounds, decayed rounds]} (decayed sums)
+        self._rates: dict = {}
         self._since = {True: 0, False: 0}
         self._planned, self._mode = None, None
         self._gap = self._first_gaps()  # mode tried -> rounds of the other mode before its next trial
@@ -281,29 +288,33 @@ class DraftOrNot:
     def _first_gaps(self) -> dict[bool, int]:
         return {True: self.explore, False: min(self.explore_plain, self.explore)}
 
-    def observe(self, drafted: bool, tokens: int, seconds: float) -> None:
-        r = self._rate[drafted]
+    def observe(self, drafted: bool, tokens: int, seconds: float, n: int | None = None) -> None:
+        """A round of ``n`` sequences (drafting or not) delivered ``tokens`` in ``seconds``."""
+        by_mode = self._rates.setdefault(n, {True: [0.0, 0.0, 0, 0.0], False: [0.0, 0.0, 0, 0.0]})
+        r = by_mode[drafted]
         r[0], r[1], r[2] = r[0] * self.decay + tokens, r[1] * self.decay + seconds, r[2] + 1
         r[3] = r[3] * self.decay + 1.0
 
-    def rate(self, drafted: bool, extra_s: float = 0.0) -> float | None:
-        """Tokens per second of the rounds that drafted (or not); ``extra_s``: seconds added to each."""
-        t, sec, n, dn = self._rate[drafted]
+    def rate(self, drafted: bool, extra_s: float = 0.0, n: int | None = None) -> float | None:
+        """Tokens per second of the rounds of ``n`` sequences that drafted (or not); ``extra_s``:
+        seconds added to each."""
+        t, sec, count, dn = self._rates.get(n, {}).get(drafted, (0.0, 0.0, 0, 0.0))
         # (one plain round is a measurement: n tokens in one forward; drafting rounds vary with acceptance)
-        return t / (sec + extra_s * dn) if n >= (2 if drafted else 1) and sec > 0 else None
+        return t / (sec + extra_s * dn) if count >= (2 if drafted else 1) and sec > 0 else None
 
-    def peek(self, planned: bool, switch_s: float = 0.0, measured: bool = False) -> bool:
+    def peek(self, planned: bool, switch_s: float = 0.0, measured: bool = False, n: int | None = None) -> bool:
         """What :meth:`choose` would answer now, nothing changed."""
         held = copy.deepcopy(self.__dict__)
         try:
-            return self.choose(planned, switch_s, measured)
+            return self.choose(planned, switch_s, measured, n)
         finally:
             self.__dict__ = held
 
-    def choose(self, planned: bool, switch_s: float = 0.0, measured: bool = False) -> bool:
-        """Draft this round?  ``planned``: what the cost model says (``measured``: from measured
-        inputs only); ``switch_s``: seconds per drafting round a switch to drafting costs now."""
-        rd, rp = self.rate(True, switch_s), self.rate(False)
+    def choose(self, planned: bool, switch_s: float = 0.0, measured: bool = False, n: int | None = None) -> bool:
+        """Draft this round of ``n`` sequences?  ``planned``: what the cost model says (``measured``:
+        from measured inputs only); ``switch_s``: seconds per drafting round a switch to drafting
+        costs now."""
+        rd, rp = self.rate(True, switch_s, n), self.rate(False, 0.0, n)
         if planned != self._planned:  # the plan changed its mind: try the other again soon
             self._planned, self._gap = planned, self._first_gaps()
         if rd is None or rp is None:

@@ -329,7 +329,7 @@ class Scheduler:
             return plan
         for _ in range(3):
             k, k_draft, switch_s, measured = plan
-            if not any(self._lag(s) for s in seqs) or not self.mode.peek(k > 0, switch_s, measured):
+            if not any(self._lag(s) for s in seqs) or not self.mode.peek(k > 0, switch_s, measured, len(seqs)):
                 break  # (no catch-up to pay, or a round that stays plain: no probe)
             # plain rounds' shape first (what drafting is weighed against), then drafting's
             w = next((w for w in (1, k_draft + 1) if not self.cost.timed(len(seqs) * w)), None)
@@ -392,7 +392,7 @@ class Scheduler:
             if not self.cost.draft_measured and self.eng.drafter_kind == "model" and not self._draft_timed:
                 self._calibrate_draft(seqs)
             k_plan, k_draft, switch_s, measured = self._probe_switch(seqs, k_room)
-            drafting = self.mode.choose(k_plan > 0, switch_s, measured)
+            drafting = self.mode.choose(k_plan > 0, switch_s, measured, len(seqs))
             k_room = min(k_room, k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
         t_catch = self._draft_prompts(seqs) if k_room > 0 else 0.0
@@ -424,7 +424,7 @@ class Scheduler:
             # (switch_s) before DraftOrNot compares rates: not counted twice.
             steady = drafting and self._drafted_last
             self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before,
-                              clock() - t0 + (t_catch if steady else 0.0))
+                              clock() - t0 + (t_catch if steady else 0.0), len(seqs))
         self._drafted_last = bool(drafting)  # (a round that did not plan drafting did not draft either)
 
     def _plan_costly(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:

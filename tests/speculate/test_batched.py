@@ -825,9 +825,9 @@ def test_a_catch_up_while_drafting_counts_in_the_drafting_rounds_rate_and_a_swit
         seen = []
         observe = sched.mode.observe
 
-        def spy(drafted, tokens, seconds):
+        def spy(drafted, tokens, seconds, n=None):
             seen.append((drafted, seconds))
-            observe(drafted, tokens, seconds)
+            observe(drafted, tokens, seconds, n)
 
         sched.mode.observe = spy
         outs = sched.generate_many(PROMPTS[:3], max_tokens=12, temperature=0, ignore_eos=True, verify="strict")
@@ -990,3 +990,18 @@ def test_a_switch_to_drafting_times_its_shapes_before_the_draft_catches_up(engin
     assert probed and probed[0][1] == 1 and any(w > 1 for _, w in probed)  # plain rounds' shape first, then drafting's
     assert all(sched.cost.timed(n * w) for n, w in probed)
     assert [o.tokens for o in outs] == want
+
+
+def test_draft_or_not_compares_rates_at_the_rounds_load():
+    """Drafting rounds timed while one request ran alone deliver fewer tokens a second than
+    rounds of four, whatever the mode: compared with plain rounds of four they made drafting
+    look worse, and a server whose drafting rounds of four beat its plain ones stayed plain."""
+    m = DraftOrNot(explore=1000, explore_plain=1000)
+    for _ in range(5):
+        m.observe(True, 5, 0.3, n=1)     # drafting, one sequence: 17 tok/s
+        m.observe(False, 4, 0.143, n=4)  # plain, four: 28 tok/s
+        m.observe(True, 12, 0.38, n=4)   # drafting, four: 32 tok/s
+    assert m.rate(True, n=4) == pytest.approx(12 / 0.38) and m.rate(False, n=1) is None
+    m.choose(False, n=4)  # plain rounds so far: drafting must beat them by `enter`
+    assert m.choose(True, n=4) is True
+    assert m.choose(True, n=2) is True  # a load with no rates: the plan
