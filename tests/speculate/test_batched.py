@@ -1005,3 +1005,17 @@ def test_draft_or_not_compares_rates_at_the_rounds_load():
     m.choose(False, n=4)  # plain rounds so far: drafting must beat them by `enter`
     assert m.choose(True, n=4) is True
     assert m.choose(True, n=2) is True  # a load with no rates: the plan
+
+
+def test_draft_or_not_judges_a_new_load_by_the_nearest_load_it_measured():
+    """At a load never measured, the two modes' ratio at the nearest measured load decides, not
+    the plan alone: at 6 sequences, rounds of 8 that showed drafting 25 % behind keep it plain."""
+    m = DraftOrNot(explore=1000, explore_plain=1000)
+    for _ in range(5):
+        m.observe(True, 12, 0.5, n=8)   # 24 tok/s drafting
+        m.observe(False, 8, 0.25, n=8)  # 32 tok/s plain
+        m.observe(True, 12, 0.38, n=2)  # drafting wins at 2 (32 against 20)
+        m.observe(False, 2, 0.1, n=2)
+    assert m.choose(True, n=6) is False and m.choose(True, n=7) is False
+    assert m.choose(False, n=3) is True  # nearer 2 than 8 (hysteresis: 1.6x beats `enter`)
+    assert m.choose(True, n=None) is True  # no load given: the plan (nothing measured there)
