@@ -78,7 +78,7 @@ PLAN_MARGIN = 1.05
 
 def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], per_token: float, k_room: int,
                   lags: Sequence[int] = (), remaining: Sequence[int] = (), row_s: float = 0.0,
-                  margin: float = PLAN_MARGIN, trust: tuple[float, float] = (1.0, 1.0)) -> tuple[int, int, float]:
+                  margin: float = PLAN_MARGIN) -> tuple[int, int, float]:
     """A draft model's round, planned before it drafts (pure): ``(k, k_draft, switch_s)``.
 
     ``accepts[i]``: sequence i's estimated acceptance per draft position (k_room of them);
@@ -91,38 +91,25 @@ def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], pe
 
     ``k``: the k of the best rate, 0 = plain rounds unless drafting's best rate is ``margin``
     times theirs or more; ``k_draft``: the best k >= 1 (what a round that drafts uses);
-    ``switch_s``: the catch-up per round at ``k_draft``.  ``trust``: what plain rounds and drafting
-    rounds delivered against what plans promised them (:meth:`DraftOrNot.trust`), each mode's
-    rate scaled by its own before the margin is applied.
+    ``switch_s``: the catch-up per round at ``k_draft``.
     """
+    n = len(accepts)
+    lags = list(lags) or [0] * n
+    remaining = list(remaining) or [1 << 30] * n
     plain, best_draft = -1.0, (1, -1.0, 0.0)
     for k in range(0, k_room + 1):
-        got = round_rate(accepts, costs, per_token, k, lags, remaining, row_s)
-        if got is None:
+        rows = n * (k + 1)
+        if rows > len(costs):
             break
-        rate, switch = got
+        per_seq = [expected_tokens(list(a[:k]), k) if k else 1.0 for a in accepts]
+        switch = sum(lag * row_s / max(1.0, left / e) for lag, left, e in zip(lags, remaining, per_seq) if lag) if k else 0.0
+        rate = sum(per_seq) / (costs[rows - 1] + per_token * n * k + switch)
         if not k:
             plain = rate
         elif rate > best_draft[1] * 1.0001:
             best_draft = (k, rate, switch)
-    drafts = best_draft[1] > 0 and best_draft[1] * trust[1] >= plain * trust[0] * margin
+    drafts = best_draft[1] > 0 and best_draft[1] >= plain * margin
     return best_draft[0] if drafts else 0, best_draft[0], best_draft[2]
-
-
-def round_rate(accepts: Sequence[Sequence[float]], costs: Sequence[float], per_token: float, k: int,
-               lags: Sequence[int] = (), remaining: Sequence[int] = (),
-               row_s: float = 0.0) -> tuple[float, float] | None:
-    """The tokens per second a round of k drafts a sequence promises, and its catch-up seconds
-    (:func:`plan_drafting`'s terms; pure); None where its rows are beyond ``costs``."""
-    n = len(accepts)
-    rows = n * (k + 1)
-    if rows > len(costs):
-        return None
-    lags = list(lags) or [0] * n
-    remaining = list(remaining) or [1 << 30] * n
-    per_seq = [expected_tokens(list(a[:k]), k) if k else 1.0 for a in accepts]
-    switch = sum(lag * row_s / max(1.0, left / e) for lag, left, e in zip(lags, remaining, per_seq) if lag) if k else 0.0
-    return sum(per_seq) / (costs[rows - 1] + per_token * n * k + switch), switch
 
 
 @dataclass
@@ -294,8 +281,6 @@ class DraftOrNot:
         self.explore_plain = explore_plain
         # per load: {drafted: [tokens, seconds, rounds, decayed rounds]} (decayed sums)
         self._rates: dict = {}
-        # per load: {drafted: [seconds the plans promised for the tokens delivered, seconds taken]}
-        self._kept: dict = {}
         self._since = {True: 0, False: 0}
         self._planned, self._mode = None, None
         self._gap = self._first_gaps()  # mode tried -> rounds of the other mode before its next trial
@@ -303,13 +288,8 @@ class DraftOrNot:
     def _first_gaps(self) -> dict[bool, int]:
         return {True: self.explore, False: min(self.explore_plain, self.explore)}
 
-    def observe(self, drafted: bool, tokens: int, seconds: float, n: int | None = None,
-                promised: float | None = None) -> None:
-        """A round of ``n`` sequences (drafting or not) delivered ``tokens`` in ``seconds``; its
-        plan had promised ``promised`` tokens per second for it."""
-        if promised and promised > 0 and tokens > 0 and seconds > 0:
-            kept = self._kept.setdefault(n, {True: [0.0, 0.0], False: [0.0, 0.0]})[drafted]
-            kept[0], kept[1] = kept[0] * self.decay + tokens / promised, kept[1] * self.decay + seconds
+    def observe(self, drafted: bool, tokens: int, seconds: float, n: int | None = None) -> None:
+        """A round of ``n`` sequences (drafting or not) delivered ``tokens`` in ``seconds``."""
         by_mode = self._rates.setdefault(n, {True: [0.0, 0.0, 0, 0.0], False: [0.0, 0.0, 0, 0.0]})
         r = by_mode[drafted]
         r[0], r[1], r[2] = r[0] * self.decay + tokens, r[1] * self.decay + seconds, r[2] + 1
@@ -321,30 +301,6 @@ class DraftOrNot:
         t, sec, count, dn = self._rates.get(n, {}).get(drafted, (0.0, 0.0, 0, 0.0))
         # (one plain round is a measurement: n tokens in one forward; drafting rounds vary with acceptance)
         return t / (sec + extra_s * dn) if count >= (2 if drafted else 1) and sec > 0 else None
-
-    def trust(self, n: int | None = None) -> tuple[float, float]:
-        """What plain rounds and drafting rounds of ``n`` sequences delivered against what their
-        plans promised (1: as promised; the nearest load where it was measured, else 1).  A plan
-        whose forwards are all timed can still promise drafting more than it delivers (the
-        lockstep draft's overheads, acceptance on these prompts): on the F16 stand-in at 8
-        sequences, 34 tok/s promised and 24 delivered, so every trial of drafting there, each with
-        a catch-up of 8 prompts, was authorised again by the same promise."""
-        out = []
-        for drafted in (False, True):
-            seen = [m for m, by in self._kept.items() if by[drafted][1] > 0 and (m is None) == (n is None)]
-            if not seen:
-                out.append(None)
-                continue
-            m = n if n in seen else min(seen, key=lambda m: (abs(m - n), -m)) if n is not None else None
-            promised_s, taken_s = self._kept[m][drafted]
-            out.append(min(4.0, max(0.25, promised_s / taken_s)))
-        # a mode not measured yet is trusted as the other (what plans leave out, the loop's own
-        # time, is much the same for both), so plain rounds slower than promised do not make
-        # drafting look better than it was ever shown to be
-        plain, draft = out
-        plain = plain if plain is not None else draft
-        draft = draft if draft is not None else plain
-        return (plain if plain is not None else 1.0), (draft if draft is not None else 1.0)
 
     def _rates_at(self, n: int | None, switch_s: float) -> tuple[float | None, float | None]:
         """Drafting's and plain rounds' rates at load ``n``; where one is not known there, the

@@ -53,7 +53,7 @@ from ..llama.eagle3 import open_eagle3
 from ..llama.mtp import open_mtp
 from ..llama.streams import MAX_INVARIANT_ROWS, MultiContext, exact_reuse
 from . import native
-from .batch_cost import CALIBRATION_WEIGHT, CPU_FIRST_WEIGHT, BatchCost, DraftOrNot, choose_window, plan_drafting, round_rate
+from .batch_cost import CALIBRATION_WEIGHT, CPU_FIRST_WEIGHT, BatchCost, DraftOrNot, choose_window, plan_drafting
 from .batch_stream import BatchStream, _Seq
 from .lockstep import draft_lockstep
 from .controls import Controls, StopScanner
@@ -112,7 +112,6 @@ class Scheduler:
         self._draft_timed = False  # _calibrate_draft timed (or failed to time) the draft model
         self._drafted_last = False  # the last round with a draft model drafted (DraftOrNot said so)
         self._saved_at = time.perf_counter()  # the controllers last saved (_save_learned)
-        self._promise: tuple = (None, None)  # the round's plan's rates: plain, drafting (_plan_costly)
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -425,8 +424,7 @@ class Scheduler:
             # (switch_s) before DraftOrNot compares rates: not counted twice.
             steady = drafting and self._drafted_last
             self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before,
-                              clock() - t0 + (t_catch if steady else 0.0), len(seqs),
-                              self._promise[1 if drafting else 0])
+                              clock() - t0 + (t_catch if steady else 0.0), len(seqs))
         self._drafted_last = bool(drafting)  # (a round that did not plan drafting did not draft either)
 
     def _plan_costly(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
@@ -445,12 +443,7 @@ class Scheduler:
         lags = [self._lag(s) for s in seqs]
         remaining = [s.run.cfg.max_tokens - s.run.generated if not s.run.cfg.unlimited
                      else s.view.n_ctx - len(s.run.tokens) for s in seqs]
-        costs = self.cost.costs(prior, len(seqs))
-        k, k_draft, switch_s = plan_drafting(accepts, costs, per_token, k_room, lags, remaining, row_s,
-                                             trust=self.mode.trust(len(seqs)))
-        # what the plan promises each mode (untrusted), to learn how far to trust it (DraftOrNot.trust)
-        self._promise = tuple((round_rate(accepts, costs, per_token, kk, lags, remaining, row_s) or (None,))[0]
-                              for kk in (0, k_draft))
+        k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior, len(seqs)), per_token, k_room, lags, remaining, row_s)
         # (the draft's cost is the scheduler's own, timed in its batched decodes: the controller's
         # timing of lone drafts, which batched rounds never update, is not asked for)
         return k, k_draft, switch_s, self.cost.draft_measured and prior.acceptance_measured() and self.calibrated
