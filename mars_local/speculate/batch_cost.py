@@ -188,8 +188,8 @@ class BatchCost:
         one = self._one_decode_curve(prior, upto=cap)  # (timed rounds of more rows were several decodes)
         out = list(one)
         for r in range(cap + 1, self.max_rows + 1):
-            t, c = self._time.get(r, (0.0, 0.0))
-            if c > 0.05:  # timed as it ran (several decodes)
+            if self.timed(r):  # timed as it ran (several decodes)
+                t, c = self._time[r]
                 out[r - 1] = t / c
             elif n_seqs and r % n_seqs == 0:  # n_seqs windows of w rows, as many whole ones a decode as fit
                 w = r // n_seqs
@@ -202,7 +202,7 @@ class BatchCost:
         return out
 
     def _one_decode_curve(self, prior: AdaptiveK | None, upto: int | None = None) -> list[float]:
-        timed = sorted((r, t / c, c) for r, (t, c) in self._time.items() if c > 0.05 and (upto is None or r <= upto))
+        timed = sorted((r, t / c, c) for r, (t, c) in self._time.items() if self.timed(r) and (upto is None or r <= upto))
         seen = dict(zip((r for r, _, _ in timed), isotonic([m for _, m, _ in timed], [c for _, _, c in timed])))
         lone = prior.target_costs(self.max_rows) if prior is not None else None
         if lone is not None:

@@ -329,12 +329,11 @@ class Scheduler:
             return plan
         for _ in range(3):
             k, k_draft, switch_s, measured = plan
-            if not any(self._lag(s) for s in seqs) or not self.mode.peek(k > 0, switch_s, measured, len(seqs)):
-                break  # (no catch-up to pay, or a round that stays plain: no probe)
             # plain rounds' shape first (what drafting is weighed against), then drafting's
             w = next((w for w in (1, k_draft + 1) if not self.cost.timed(len(seqs) * w)), None)
-            if w is None:
-                break
+            if (w is None or not any(self._lag(s) for s in seqs)
+                    or not self.mode.peek(k > 0, switch_s, measured, len(seqs))):
+                break  # (every shape timed, no catch-up to pay, or a round that stays plain: no probe)
             try:
                 if not self._time_windows(seqs, w, 1.0, times=1 if self.cost.first_weight else 2):
                     break
@@ -629,8 +628,7 @@ class Scheduler:
     def close(self) -> None:
         for s in list(self._waiting) + list(self._live.values()):
             self._cancel(s)
-        if any(True for _ in self.eng.controllers):
-            self._save_learned()
+        self._save_learned()  # (nothing is written where no controller was made)
         for mc in (self.mc, self.dmc):
             if mc is not None:
                 mc.close()
