@@ -166,6 +166,8 @@ def _learned_build(key: str) -> str | None:
 
 def _learned_summary(v: dict) -> str:
     """One line about one learned-state entry."""
+    if "mode" in v or "cost" in v:  # a Scheduler's (speculate/batched.py)
+        return _batch_summary(v)
     if "time" in v:
         sizes = sorted(int(w) for w in v["time"])
         t1 = v["time"].get("1")
@@ -184,6 +186,22 @@ def _learned_summary(v: dict) -> str:
         acc = f", pooled acceptance {pool[1] / (pool[1] + pool[2]):.0%}" if pool and pool[1] + pool[2] else ""
         return f"acceptance for {len(v['counts'])} keys{acc}"
     return "unknown entry"
+
+
+def _batch_summary(v: dict) -> str:
+    """One line about what batched rounds learned: shapes timed, drafting's rate against plain
+    rounds' per load (sequences a round)."""
+    try:
+        shapes = len((v.get("cost") or {}).get("time") or {})
+        rates: dict = {}
+        for n, drafted, t, sec, count, _ in (v.get("mode") or {}).get("rates") or ():
+            if sec > 0 and count:
+                rates.setdefault(n, {})[drafted] = t / sec
+        loads = ", ".join(f"{n}: {r[True] / r[False]:.2f}x" for n, r in sorted(rates.items(), key=lambda kv: kv[0] or 0)
+                          if r.get(True) and r.get(False))
+    except (TypeError, ValueError, AttributeError, ZeroDivisionError):
+        return "batched rounds (unreadable)"
+    return f"batched rounds: {shapes} shapes timed" + (f"; drafting / plain rate per load {loads}" if loads else "")
 
 
 def rpc_report(value: str) -> list[dict]:

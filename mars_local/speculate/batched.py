@@ -65,6 +65,8 @@ __all__ = ["Scheduler", "BatchStream"]  # BatchStream: speculate/batch_stream.py
 CALIBRATION_ROWS = (1, 4, 16, 64)
 # the controllers are saved at most this often while sequences finish (Scheduler._save_learned)
 SAVE_EVERY_S = 10.0
+# a catch-up rate kept by an earlier process weighs this many tokens of catch-up here
+CATCH_IMPORT_ROWS = 64.0
 
 
 class Scheduler:
@@ -112,6 +114,7 @@ class Scheduler:
         self._draft_timed = False  # _calibrate_draft timed (or failed to time) the draft model
         self._drafted_last = False  # the last round with a draft model drafted (DraftOrNot said so)
         self._saved_at = time.perf_counter()  # the controllers last saved (_save_learned)
+        self._load_learned()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
         self.calibrated = False
@@ -582,12 +585,36 @@ class Scheduler:
             if run.ctrl is not None and time.perf_counter() - self._saved_at > SAVE_EVERY_S:
                 self._save_learned()
 
+    def _load_learned(self) -> None:
+        """Start from what an earlier Scheduler of these models learned here (:meth:`_save_learned`):
+        the batched shapes it timed (no probe forwards for them), the rates its drafting and plain
+        rounds delivered per load with its trials' schedule (a load where drafting lost is not
+        started by drafting again), and what its draft model's catch-ups cost per token.  Each
+        weighs a few rounds: this process's own soon outweigh them."""
+        state = self.eng.controllers.batch_state()
+        if not state:
+            return
+        self.cost.import_state(state.get("cost") or {})
+        if self.dmc is not None and self.eng.drafter_kind == "model":
+            self.mode.import_state(state.get("mode") or {})
+            try:
+                t, rows = (float(x) for x in state.get("catch") or ())
+                if t > 0 and rows > 0:
+                    f = min(1.0, CATCH_IMPORT_ROWS / rows)
+                    self._catch = [t * f, rows * f]
+            except (TypeError, ValueError):
+                pass
+
     def _save_learned(self) -> None:
-        """Keep what the controllers learned (acceptance, from every sequence's rounds) for the
-        next process, as a lone Engine does after each generation: a server restarted, or the
-        next ``mars batch``, starts from it instead of trying drafting to find it out.  At most
-        every SAVE_EVERY_S seconds while sequences finish, and on close."""
+        """Keep what the controllers learned (acceptance, from every sequence's rounds) and what
+        the batched rounds did (:meth:`_load_learned`) for the next process, as a lone Engine
+        does after each generation: a server restarted, or the next ``mars batch``, starts from
+        it instead of trying drafting to find it out.  At most every SAVE_EVERY_S seconds while
+        sequences finish, and on close."""
         self._saved_at = time.perf_counter()
+        if self.rounds:
+            self.eng.controllers.keep_batch_state({"cost": self.cost.export_state(), "mode": self.mode.export_state(),
+                                                   "catch": list(self._catch)})
         self.eng.controllers.save()
 
     def _guard(self, s: _Seq, fn):

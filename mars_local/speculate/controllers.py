@@ -27,14 +27,19 @@ def learned_keys(
 ) -> dict[str, str | None]:
     """The store keys of what the controllers learn: window costs (target, build,
     device), draft costs (both models: they share memory bandwidth) and the
-    fingerprints acceptance is keyed by (target, drafter).  (Draft costs are keyed
+    fingerprints acceptance is keyed by (target, drafter), and what batched rounds
+    learned (batched forward costs, drafting's and plain rounds' rates: both models,
+    the drafter, the build and the device).  (Draft costs are keyed
     "draft|v2|...": those learned before a drafter's catch-up on plainly decoded
     tokens was kept out of them were many times too high, and are not read.)"""
+    drafter_id = file_fingerprint(draft) if draft else f"{drafter}{ngram[0]}-{ngram[1]}"
     return {
+        "batch": f"batch|v1|{drafter_id}|{file_fingerprint(target)}|{build}|{device}"
+                 f"|ngl{n_gpu_layers}|ngld{n_gpu_layers_draft}",
         "costs": f"costs|{file_fingerprint(target)}|{build}|{device}|ngl{n_gpu_layers}",
         "draft": f"draft|v2|{file_fingerprint(draft)}|{file_fingerprint(target)}|{build}|{device}"
                  f"|ngl{n_gpu_layers_draft}" if draft else None,
-        "drafter": file_fingerprint(draft) if draft else f"{drafter}{ngram[0]}-{ngram[1]}",
+        "drafter": drafter_id,
         "target": file_fingerprint(target),
     }
 
@@ -46,6 +51,18 @@ class Controllers:
     def __init__(self, store: LearnedStore | None, keys: dict[str, str | None], gpu: bool):
         self._store, self._keys, self._gpu = store, keys, gpu
         self._by_regime: dict[tuple, AdaptiveK] = {}
+        self._batch: dict | None = None  # batched rounds' state to save (keep_batch_state)
+
+    def batch_state(self) -> dict | None:
+        """What a :class:`~mars_local.speculate.batched.Scheduler` of these models kept (None: nothing)."""
+        if self._store is None or not self._keys.get("batch"):
+            return None
+        state = self._store.get(self._keys["batch"])
+        return state if isinstance(state, dict) else None
+
+    def keep_batch_state(self, state: dict) -> None:
+        """Save ``state`` (a Scheduler's) with the controllers, at the next :meth:`save`."""
+        self._batch = state
 
     def __iter__(self) -> Iterator[AdaptiveK]:
         return iter(self._by_regime.values())
@@ -106,7 +123,12 @@ class Controllers:
         return f"accept|{k['target']}|{k['drafter']}|{'/'.join(str(x) for x in regime)}"
 
     def save(self) -> None:
-        if self._store is None or not self._by_regime:
+        if self._store is None or (not self._by_regime and self._batch is None):
+            return
+        if self._batch is not None and self._keys.get("batch"):
+            self._store.put(self._keys["batch"], self._batch)
+        if not self._by_regime:
+            self._store.save()
             return
         for regime, ctrl in self._by_regime.items():
             st = ctrl.export_state()

@@ -406,3 +406,17 @@ def test_learned_state_persists_shows_in_doctor_and_resets(tiny_target, tiny_dra
     assert not (tmp_path / "state" / "learned.json").exists()
     third = mars(*args, env=env)
     assert json.loads(third.stdout)["stats"]["time_calibrate_s"] > 0
+
+
+def test_doctor_summarises_what_batched_rounds_learned():
+    """`mars doctor` says in one line what a scheduler kept: shapes timed, and drafting's rate
+    against plain rounds' at each load; a malformed entry is a line too, not a traceback."""
+    from mars_local.cli.models import _learned_summary
+
+    entry = {"cost": {"time": {"8": [0.3, 1.0], "24": [0.6, 1.0]}},
+             "mode": {"rates": [[8, True, 24.0, 1.0, 3, 3.0], [8, False, 32.0, 1.0, 3, 3.0],
+                                [2, True, 30.0, 1.0, 3, 3.0], [2, False, 20.0, 1.0, 3, 3.0]],
+                      "gap": [32, 4], "planned": True, "mode": False}}
+    line = _learned_summary(entry)
+    assert line == "batched rounds: 2 shapes timed; drafting / plain rate per load 2: 1.50x, 8: 0.75x"
+    assert _learned_summary({"cost": {}, "mode": {"rates": [[8, True, "x", 1, 1, 1]]}}) == "batched rounds (unreadable)"

@@ -1019,3 +1019,106 @@ def test_draft_or_not_judges_a_new_load_by_the_nearest_load_it_measured():
     assert m.choose(True, n=6) is False and m.choose(True, n=7) is False
     assert m.choose(False, n=3) is True  # nearer 2 than 8 (hysteresis: 1.6x beats `enter`)
     assert m.choose(True, n=None) is True  # no load given: the plan (nothing measured there)
+
+
+def test_draft_or_not_state_goes_on_in_the_next_process_at_a_few_rounds_weight():
+    """What the rates taught is kept between processes: a fresh DraftOrNot started from it
+    answers as the old one at the load it measured (plain, where drafting lost, though the plan
+    says draft), keeps the trials' schedule, and its own rounds soon outweigh the imported ones.
+    A malformed state changes nothing."""
+    import json
+
+    old = DraftOrNot(explore=4)
+    for _ in range(30):
+        old.observe(True, 12, 0.5, n=8)   # drafting at 8 sequences: 24 tok/s
+        old.observe(False, 8, 0.25, n=8)  # plain: 32 tok/s
+    for _ in range(40):
+        old.choose(True, n=8)  # the plan keeps promising drafting: trials that lose double the gap
+    state = json.loads(json.dumps(old.export_state()))
+    new = DraftOrNot(explore=4)
+    new.import_state(state)
+    assert new.rate(True, n=8) == pytest.approx(24.0) and new.rate(False, n=8) == pytest.approx(32.0)
+    assert new._rates[8][True][3] <= 3.0 + 1e-9  # a few rounds' weight, not thirty's
+    assert new._gap[True] == old._gap[True] > 4
+    assert [new.choose(True, n=8) for _ in range(new._gap[True])] == [False] * new._gap[True]
+    fresh = DraftOrNot(explore=4)
+    assert fresh.choose(True, n=8) is True  # without it, the plan: drafting first
+    for _ in range(6):  # this process's drafting now delivers 48 tok/s: it outweighs the import
+        new.observe(True, 24, 0.5, n=8)
+    assert new.rate(True, n=8) > 40
+    for bad in ({"rates": [[8, True, "x", 1, 1, 1]], "gap": [4, 4]}, {"rates": 3}, {"gap": [1]}, []):
+        m = DraftOrNot(explore=4)
+        m.import_state(bad if isinstance(bad, dict) else {"rates": bad})
+        assert m._rates == {} and m._gap == DraftOrNot(explore=4)._gap
+
+
+def test_batch_cost_state_goes_on_in_the_next_process_at_a_few_forwards_weight():
+    """Shapes timed in an earlier process are timed here (no probe forward for them), at a few
+    forwards' weight; the draft's cost is not kept (a prior the plan must not trust)."""
+    import json
+
+    old = BatchCost(first_weight=0.5)
+    for _ in range(20):
+        old.observe(8, 0.3)
+        old.observe(40, 0.9)
+    old.observe_draft(8, 0.08)
+    new = BatchCost(first_weight=0.5)
+    new.import_state(json.loads(json.dumps(old.export_state())))
+    assert new.timed(8) and new.timed(40) and not new.timed(16)
+    assert new.costs()[7] == pytest.approx(0.3) and new.costs()[39] == pytest.approx(0.9)
+    assert new._time[8][1] <= 3.0 + 1e-9 and not new.draft_measured
+    for _ in range(12):
+        new.observe(8, 0.5)  # this machine is slower now: its own forwards decide
+    assert new.costs()[7] > 0.45
+    bad = BatchCost()
+    bad.import_state({"time": {"x": [1, 1]}})
+    bad.import_state({"time": [1, 2]})
+    assert bad._time == {}
+
+
+def test_a_restarted_scheduler_starts_from_its_predecessors_batch_state(tiny_target, tiny_draft, tmp_path):
+    """A scheduler saves its batch shapes' costs and drafting's and plain rounds' rates; the next
+    one, on an Engine of the same models, starts from them: where the rates say plain at its
+    load, it does not start by drafting (and paying the draft's catch-up) though its plan says
+    draft; with no state kept, the same plan drafts at once."""
+    from mars_local.speculate.learned import LearnedStore
+
+    path = tmp_path / "learned.json"
+
+    def run(store, drafted_rounds):
+        with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=256, n_threads=2, learned=store) as eng:
+            sched = Scheduler(eng, 2)
+            choose = sched.mode.choose
+            sched.calibrated = True
+            sched._probe_switch = lambda seqs, k_room: (2, 2, 0.0, False)  # the plan: draft 2 tokens
+
+            def spy(planned, switch_s=0.0, measured=False, n=None):
+                pick = choose(planned, switch_s, measured, n)
+                drafted_rounds.append(pick)
+                return pick
+
+            sched.mode.choose = spy
+            try:
+                outs = sched.generate_many(PROMPTS[:2], max_tokens=8, temperature=0, ignore_eos=True, verify="strict")
+                return sched, outs, eng
+            finally:
+                sched.close()
+
+    first: list[bool] = []
+    sched, outs1, _ = run(LearnedStore(path), first)
+    assert first[0] is True  # nothing kept yet: the plan drafts
+    shapes = [r for r in sched.cost._time if sched.cost.timed(r)]
+    assert shapes
+    entry = [v for k, v in LearnedStore(path).entries().items() if k.startswith("batch|")]
+    assert len(entry) == 1 and entry[0]["cost"]["time"]
+    # the kept rates say drafting at 2 sequences delivers a third of plain rounds' rate
+    entry[0]["mode"] = {"rates": [[2, True, 6.0, 3.0, 3, 3.0], [2, False, 6.0, 1.0, 3, 3.0]],
+                        "gap": [64, 4], "planned": True, "mode": False}
+    store = LearnedStore(path)
+    store.put(next(k for k in store.entries() if k.startswith("batch|")), entry[0])
+    store.save()
+    second: list[bool] = []
+    sched2, outs, eng = run(LearnedStore(path), second)
+    assert second and not any(second)  # plain from the first round: no trial within the kept gap
+    assert all(sched2.cost.timed(r) for r in shapes)
+    assert [o.tokens for o in outs] == [o.tokens for o in outs1]  # strict: drafting or not, the same tokens
