@@ -289,7 +289,10 @@ class DraftOrNot:
       both say plain a trial would only pay a catch-up again;
     * the trials' gap starts again at ``explore`` when the plan changes its mind (the load or
       the acceptance changed), not when the rates cross near the break-even, where noise would
-      bring a trial, and its catch-up, every ``explore`` rounds;
+      bring a trial, and its catch-up, every ``explore`` rounds; nor for a mode whose rounds
+      at this load lost by more than ``enter``: the plan flips with every wave of requests (its
+      switch cost grows as sequences near their end), and on the F16 stand-in at 8 sequences
+      each flip brought a trial of drafting that lost by 20 % again, with its catch-up of 8 prompts;
     * what a switch to drafting would cost now (``switch_s``: the catch-up spread over the
       rounds the sequences have left, :func:`plan_drafting`) is added to the drafting rounds'
       time before the rates are compared, and a plan made from measurements (``measured``:
@@ -389,8 +392,13 @@ class DraftOrNot:
         from measured inputs only); ``switch_s``: seconds per drafting round a switch to drafting
         costs now."""
         rd, rp = self._rates_at(n, switch_s)
-        if planned != self._planned:  # the plan changed its mind: try the other again soon
-            self._planned, self._gap = planned, self._first_gaps()
+        if planned != self._planned:  # the plan changed its mind: try the other again soon ...
+            self._planned = planned
+            first = self._first_gaps()
+            for mode in (True, False):  # ... unless at this load that mode's rounds lost clearly
+                lost = rd is not None and rp is not None and (rp > rd * self.enter if mode else rd > rp * self.enter)
+                if not lost:
+                    self._gap[mode] = first[mode]
         if rd is None or rp is None:
             pick = planned
         elif rd > rp * (self.margin if self._mode else self.enter):

@@ -1122,3 +1122,51 @@ def test_a_restarted_scheduler_starts_from_its_predecessors_batch_state(tiny_tar
     assert second and not any(second)  # plain from the first round: no trial within the kept gap
     assert all(sched2.cost.timed(r) for r in shapes)
     assert [o.tokens for o in outs] == [o.tokens for o in outs1]  # strict: drafting or not, the same tokens
+
+
+def test_a_plan_that_changes_its_mind_does_not_bring_back_a_trial_that_lost_clearly_at_this_load():
+    """The plan flips with every wave of requests (its switch cost grows as sequences near their
+    end); each flip used to restart the trials' gap, so every wave at 8 sequences tried drafting
+    again (and paid its catch-up) though its rounds there lost by 20 %.  The gap of a mode that
+    lost by more than ``enter`` at this load survives the flip; near the break-even, or at a load
+    not measured, it restarts."""
+    m = DraftOrNot(explore=4)
+    for _ in range(5):
+        m.observe(True, 12, 0.5, n=8)   # 24 tok/s drafting
+        m.observe(False, 8, 0.25, n=8)  # 32 tok/s plain
+    picks = [m.choose(True, n=8) for _ in range(40)]
+    gap = m._gap[True]
+    assert gap >= 16 and picks.count(True) >= 2
+    since = m._since[True]  # plain rounds since the last trial
+    assert gap - since - 2 > 4  # (room to see a restarted gap's trial)
+    m.choose(False, n=8)  # a wave's end: the plan says plain ...
+    after = [m.choose(True, n=8) for _ in range(gap - since - 2)]  # ... and drafting again with the next wave
+    assert not any(after) and m._gap[True] == gap
+    near = DraftOrNot(explore=4)
+    for _ in range(5):
+        near.observe(True, 8.2, 0.25, n=8)  # drafting 2.5 % behind: within `enter`
+        near.observe(False, 8, 0.24, n=8)
+    for _ in range(40):
+        near.choose(True, n=8)
+    near.choose(False, n=8)
+    assert near._gap[True] == 4  # restarted: a trial soon
+
+
+def test_calibration_times_only_the_row_counts_not_kept_from_an_earlier_process(engines):
+    """A server's first request timed forwards of 1, 4, 16 and 64 rows (3.6 s on the F16 stand-in)
+    in every process; counts an earlier scheduler timed and kept are not timed again."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 2)
+    timed = []
+    try:
+        sched.cost.import_state({"time": {"1": [0.01, 1.0], "4": [0.02, 1.0], "16": [0.05, 1.0]}})
+        probe = sched._time_windows
+        sched._time_windows = lambda seqs, w, weight, times=2: (timed.append(w), probe(seqs, w, weight, times))[1]
+        sched.submit(PROMPTS[0], max_tokens=4, temperature=0, ignore_eos=True)
+        while sched.step():
+            if sched._live:
+                sched._calibrate(next(iter(sched._live.values())))
+                break
+    finally:
+        sched.close()
+    assert timed == [64] and sched.cost.timed(64)
