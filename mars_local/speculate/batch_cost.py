@@ -22,8 +22,8 @@ MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (l
 CALIBRATION_WEIGHT = 0.25
 # what the first forward of a batch shape counts for on a CPU (BatchCost.first_weight)
 CPU_FIRST_WEIGHT = 0.5
-# what a process's learned batch state counts for when the next one starts from it, in rounds (or
-# forwards): enough to choose by, little enough that the new process's own rounds soon decide
+# what a forward timed by an earlier process counts for when the next one starts from it, in
+# forwards: enough to plan by, little enough that the new process's own forwards soon decide
 IMPORT_WEIGHT = 3.0
 
 
@@ -299,11 +299,8 @@ class DraftOrNot:
       acceptance and draft cost learned, forward costs timed) is trusted: drafting it says
       does not pay is not tried even once.
 
-    What it learned is kept between processes (:meth:`export_state`, :meth:`import_state`): the
-    rates per load, each at the weight of ``IMPORT_WEIGHT`` rounds, and the trials' schedule.
-    A fresh server otherwise starts where the plan says, and on the F16 stand-in at 8 sequences
-    the plan drafts (34 tok/s planned, 24 delivered, plain 30): its first rounds paid the draft's
-    catch-up on 8 prompts and drafting rounds before the rates said plain, in every process.
+    What it measured is saved with the learned state (:meth:`export_state`) for ``mars doctor``
+    to show; a new process does not start from it (:meth:`.Scheduler._load_learned` says why).
     """
 
     def __init__(self, decay: float = 0.9, explore: int = 16, margin: float = 1.03, enter: float = 1.10,
@@ -317,35 +314,12 @@ class DraftOrNot:
         self._gap = self._first_gaps()  # mode tried -> rounds of the other mode before its next trial
 
     def export_state(self) -> dict:
-        """What the rounds taught, as JSON-able data."""
+        """What the rounds measured, as JSON-able data (``mars doctor`` shows the rates per load)."""
         return {
             "rates": [[n, drafted, *r] for n, by_mode in self._rates.items() for drafted, r in by_mode.items()],
             "gap": [self._gap[True], self._gap[False]],
             "planned": self._planned, "mode": self._mode,
         }
-
-    def import_state(self, state: dict, weight_cap: float = IMPORT_WEIGHT) -> None:
-        """Start from an exported state: each load's rates weigh ``weight_cap`` rounds at most
-        (this process's rounds soon outweigh them), the trials' gaps and the mode go on as they
-        were (a trial that lost there is not repeated at once here).  Malformed parts are ignored."""
-        try:
-            rates: dict = {}
-            for n, drafted, t, sec, count, dn in state.get("rates") or ():
-                n = None if n is None else int(n)
-                t, sec, count, dn = float(t), float(sec), int(count), float(dn)
-                if (n is None or n >= 1) and isinstance(drafted, bool) and t >= 0 and sec > 0 and dn > 0:
-                    f = min(1.0, weight_cap / dn)
-                    by_mode = rates.setdefault(n, {True: [0.0, 0.0, 0, 0.0], False: [0.0, 0.0, 0, 0.0]})
-                    by_mode[drafted] = [t * f, sec * f, min(count, int(np.ceil(weight_cap))), dn * f]
-            gap = [min(max(int(g), 1), 512) for g in state.get("gap") or ()]
-            planned, mode = state.get("planned"), state.get("mode")
-            if len(gap) != 2 or any(x is not None and not isinstance(x, bool) for x in (planned, mode)):
-                raise ValueError("malformed")
-        except (TypeError, ValueError, AttributeError):
-            return
-        self._rates = rates
-        self._gap = {True: gap[0], False: gap[1]}
-        self._planned, self._mode = planned, mode
 
     def _first_gaps(self) -> dict[bool, int]:
         return {True: self.explore, False: min(self.explore_plain, self.explore)}

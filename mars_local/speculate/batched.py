@@ -589,16 +589,18 @@ class Scheduler:
 
     def _load_learned(self) -> None:
         """Start from what an earlier Scheduler of these models learned here (:meth:`_save_learned`):
-        the batched shapes it timed (no probe forwards for them), the rates its drafting and plain
-        rounds delivered per load with its trials' schedule (a load where drafting lost is not
-        started by drafting again), and what its draft model's catch-ups cost per token.  Each
-        weighs a few rounds: this process's own soon outweigh them."""
+        the batched shapes it timed (no calibration or probe forwards for them) and what its
+        draft model's catch-ups cost per token, each at a few forwards' weight (this process's
+        own soon outweigh them).  The rates its drafting and plain rounds delivered are kept for
+        ``mars doctor`` but not started from: measured on a Zen 4 (BENCHMARKS.md, run 31), a
+        server that took them up at 4 sequences, where the two modes are within noise of each
+        other, kept drafting from its first round and delivered 0.92x its plain rounds by median
+        where one finding out afresh delivered 1.02x."""
         state = self.eng.controllers.batch_state()
         if not state:
             return
         self.cost.import_state(state.get("cost") or {})
         if self.dmc is not None and self.eng.drafter_kind == "model":
-            self.mode.import_state(state.get("mode") or {})
             try:
                 t, rows = (float(x) for x in state.get("catch") or ())
                 if t > 0 and rows > 0:

@@ -1021,35 +1021,22 @@ def test_draft_or_not_judges_a_new_load_by_the_nearest_load_it_measured():
     assert m.choose(True, n=None) is True  # no load given: the plan (nothing measured there)
 
 
-def test_draft_or_not_state_goes_on_in_the_next_process_at_a_few_rounds_weight():
-    """What the rates taught is kept between processes: a fresh DraftOrNot started from it
-    answers as the old one at the load it measured (plain, where drafting lost, though the plan
-    says draft), keeps the trials' schedule, and its own rounds soon outweigh the imported ones.
-    A malformed state changes nothing."""
+def test_draft_or_not_saves_its_rates_per_load_for_doctor():
+    """What the rounds measured per load goes into the learned state as JSON, and `mars doctor`
+    reads drafting's rate against plain rounds' from it."""
     import json
 
-    old = DraftOrNot(explore=4)
-    for _ in range(30):
-        old.observe(True, 12, 0.5, n=8)   # drafting at 8 sequences: 24 tok/s
-        old.observe(False, 8, 0.25, n=8)  # plain: 32 tok/s
-    for _ in range(40):
-        old.choose(True, n=8)  # the plan keeps promising drafting: trials that lose double the gap
-    state = json.loads(json.dumps(old.export_state()))
-    new = DraftOrNot(explore=4)
-    new.import_state(state)
-    assert new.rate(True, n=8) == pytest.approx(24.0) and new.rate(False, n=8) == pytest.approx(32.0)
-    assert new._rates[8][True][3] <= 3.0 + 1e-9  # a few rounds' weight, not thirty's
-    assert new._gap[True] == old._gap[True] > 4
-    assert [new.choose(True, n=8) for _ in range(new._gap[True])] == [False] * new._gap[True]
-    fresh = DraftOrNot(explore=4)
-    assert fresh.choose(True, n=8) is True  # without it, the plan: drafting first
-    for _ in range(6):  # this process's drafting now delivers 48 tok/s: it outweighs the import
-        new.observe(True, 24, 0.5, n=8)
-    assert new.rate(True, n=8) > 40
-    for bad in ({"rates": [[8, True, "x", 1, 1, 1]], "gap": [4, 4]}, {"rates": 3}, {"gap": [1]}, []):
-        m = DraftOrNot(explore=4)
-        m.import_state(bad if isinstance(bad, dict) else {"rates": bad})
-        assert m._rates == {} and m._gap == DraftOrNot(explore=4)._gap
+    from mars_local.cli.models import _learned_summary
+
+    m = DraftOrNot(explore=4)
+    for _ in range(5):
+        m.observe(True, 12, 0.5, n=8)   # 24 tok/s drafting
+        m.observe(False, 8, 0.25, n=8)  # 32 tok/s plain
+        m.observe(True, 6, 0.2, n=2)    # 30 tok/s drafting
+        m.observe(False, 2, 0.1, n=2)   # 20 tok/s plain
+    state = json.loads(json.dumps(m.export_state()))
+    line = _learned_summary({"cost": {"time": {}}, "mode": state})
+    assert line.endswith("drafting / plain rate per load 2: 1.50x, 8: 0.75x")
 
 
 def test_batch_cost_state_goes_on_in_the_next_process_at_a_few_forwards_weight():
@@ -1076,52 +1063,36 @@ def test_batch_cost_state_goes_on_in_the_next_process_at_a_few_forwards_weight()
     assert bad._time == {}
 
 
-def test_a_restarted_scheduler_starts_from_its_predecessors_batch_state(tiny_target, tiny_draft, tmp_path):
-    """A scheduler saves its batch shapes' costs and drafting's and plain rounds' rates; the next
-    one, on an Engine of the same models, starts from them: where the rates say plain at its
-    load, it does not start by drafting (and paying the draft's catch-up) though its plan says
-    draft; with no state kept, the same plan drafts at once."""
+def test_a_restarted_scheduler_starts_from_its_predecessors_batch_shapes(tiny_target, tiny_draft, tmp_path):
+    """A scheduler saves the batch shapes it timed (and the rates its rounds delivered, for
+    `mars doctor`); the next one, on an Engine of the same models, starts with those shapes
+    timed (no calibration or probe forwards for them) but finds out drafting's and plain
+    rounds' rates afresh."""
     from mars_local.speculate.learned import LearnedStore
 
     path = tmp_path / "learned.json"
-
-    def run(store, drafted_rounds):
-        with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=256, n_threads=2, learned=store) as eng:
-            sched = Scheduler(eng, 2)
-            choose = sched.mode.choose
-            sched.calibrated = True
-            sched._probe_switch = lambda seqs, k_room: (2, 2, 0.0, False)  # the plan: draft 2 tokens
-
-            def spy(planned, switch_s=0.0, measured=False, n=None):
-                pick = choose(planned, switch_s, measured, n)
-                drafted_rounds.append(pick)
-                return pick
-
-            sched.mode.choose = spy
-            try:
-                outs = sched.generate_many(PROMPTS[:2], max_tokens=8, temperature=0, ignore_eos=True, verify="strict")
-                return sched, outs, eng
-            finally:
-                sched.close()
-
-    first: list[bool] = []
-    sched, outs1, _ = run(LearnedStore(path), first)
-    assert first[0] is True  # nothing kept yet: the plan drafts
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=256, n_threads=2, learned=LearnedStore(path)) as eng:
+        sched = Scheduler(eng, 2)
+        try:
+            outs1 = sched.generate_many(PROMPTS[:2], max_tokens=8, temperature=0, ignore_eos=True, verify="strict")
+        finally:
+            sched.close()
     shapes = [r for r in sched.cost._time if sched.cost.timed(r)]
-    assert shapes
+    assert shapes and sched.mode._rates
     entry = [v for k, v in LearnedStore(path).entries().items() if k.startswith("batch|")]
-    assert len(entry) == 1 and entry[0]["cost"]["time"]
-    # the kept rates say drafting at 2 sequences delivers a third of plain rounds' rate
-    entry[0]["mode"] = {"rates": [[2, True, 6.0, 3.0, 3, 3.0], [2, False, 6.0, 1.0, 3, 3.0]],
-                        "gap": [64, 4], "planned": True, "mode": False}
-    store = LearnedStore(path)
-    store.put(next(k for k in store.entries() if k.startswith("batch|")), entry[0])
-    store.save()
-    second: list[bool] = []
-    sched2, outs, eng = run(LearnedStore(path), second)
-    assert second and not any(second)  # plain from the first round: no trial within the kept gap
-    assert all(sched2.cost.timed(r) for r in shapes)
-    assert [o.tokens for o in outs] == [o.tokens for o in outs1]  # strict: drafting or not, the same tokens
+    assert len(entry) == 1 and entry[0]["cost"]["time"] and entry[0]["mode"]["rates"]
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=256, n_threads=2, learned=LearnedStore(path)) as eng:
+        sched2 = Scheduler(eng, 2)
+        try:
+            assert all(sched2.cost.timed(r) for r in shapes) and sched2.mode._rates == {}
+            outs2 = sched2.generate_many(PROMPTS[:2], max_tokens=8, temperature=0, ignore_eos=True, verify="strict")
+        finally:
+            sched2.close()
+    assert [o.tokens for o in outs2] == [o.tokens for o in outs1]
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=256, n_threads=2, learned=False) as eng:
+        sched3 = Scheduler(eng, 2)  # no store: nothing kept
+        assert not any(sched3.cost.timed(r) for r in shapes)
+        sched3.close()
 
 
 def test_a_plan_that_changes_its_mind_does_not_bring_back_a_trial_that_lost_clearly_at_this_load():
