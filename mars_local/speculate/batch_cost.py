@@ -314,12 +314,8 @@ class DraftOrNot:
         self._gap = self._first_gaps()  # mode tried -> rounds of the other mode before its next trial
 
     def export_state(self) -> dict:
-        """What the rounds measured, as JSON-able data (``mars doctor`` shows the rates per load)."""
-        return {
-            "rates": [[n, drafted, *r] for n, by_mode in self._rates.items() for drafted, r in by_mode.items()],
-            "gap": [self._gap[True], self._gap[False]],
-            "planned": self._planned, "mode": self._mode,
-        }
+        """The rates measured per load, as JSON-able data (``mars doctor`` shows them)."""
+        return {"rates": [[n, drafted, *r] for n, by_mode in self._rates.items() for drafted, r in by_mode.items()]}
 
     def _first_gaps(self) -> dict[bool, int]:
         return {True: self.explore, False: min(self.explore_plain, self.explore)}

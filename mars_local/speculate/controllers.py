@@ -124,19 +124,16 @@ class Controllers:
 
     def save(self) -> None:
         if self._store is None or (not self._by_regime and self._batch is None):
-            return
+            return  # (nothing learned: the file is not written)
         if self._batch is not None and self._keys.get("batch"):
             self._store.put(self._keys["batch"], self._batch)
-        if not self._by_regime:
-            self._store.save()
-            return
         for regime, ctrl in self._by_regime.items():
             st = ctrl.export_state()
             self._store.put(self._accept_key(regime), {"counts": st["counts"]})
-        # window and draft timings are shared by every regime's controller (share_costs)
-        self._store.put(self._keys["costs"], {"time": st["time"]})
-        if self._keys["draft"]:
-            self._store.put(self._keys["draft"], {"draft": st["draft"]})
+        if self._by_regime:  # window and draft timings are shared by every regime's controller (share_costs)
+            self._store.put(self._keys["costs"], {"time": st["time"]})
+            if self._keys["draft"]:
+                self._store.put(self._keys["draft"], {"draft": st["draft"]})
         self._store.save()
 
 

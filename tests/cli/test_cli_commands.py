@@ -415,8 +415,7 @@ def test_doctor_summarises_what_batched_rounds_learned():
 
     entry = {"cost": {"time": {"8": [0.3, 1.0], "24": [0.6, 1.0]}},
              "mode": {"rates": [[8, True, 24.0, 1.0, 3, 3.0], [8, False, 32.0, 1.0, 3, 3.0],
-                                [2, True, 30.0, 1.0, 3, 3.0], [2, False, 20.0, 1.0, 3, 3.0]],
-                      "gap": [32, 4], "planned": True, "mode": False}}
+                                [2, True, 30.0, 1.0, 3, 3.0], [2, False, 20.0, 1.0, 3, 3.0]]}}
     line = _learned_summary(entry)
     assert line == "batched rounds: 2 shapes timed; drafting / plain rate per load 2: 1.50x, 8: 0.75x"
     assert _learned_summary({"cost": {}, "mode": {"rates": [[8, True, "x", 1, 1, 1]]}}) == "batched rounds (unreadable)"
