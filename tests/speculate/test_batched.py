@@ -1141,3 +1141,95 @@ def test_calibration_times_only_the_row_counts_not_kept_from_an_earlier_process(
     finally:
         sched.close()
     assert timed == [64] and sched.cost.timed(64)
+
+
+def test_a_plan_drafts_as_far_as_the_sequences_own_acceptance_says_and_decides_by_the_pooled():
+    """Whether to draft is decided on the controllers' pooled acceptance (a choice that lasts);
+    how far a drafting round drafts, on each sequence's acceptance where its text is now."""
+    costs = [1.0 + 0.3 * (r - 1) for r in range(1, 65)]
+    pooled, own = [[0.6] * 16] * 2, [[0.97] * 16] * 2
+    k, k_draft, _ = plan_drafting(pooled, costs, 0.01, 16)
+    k2, k_draft2, _ = plan_drafting(pooled, costs, 0.01, 16, draft_accepts=own)
+    assert k > 0 and k_draft2 > k_draft and k2 == k_draft2
+    # where the pooled acceptance says plain rounds, a high acceptance of its own drafts the
+    # round k_draft would use, but does not make the round draft
+    low = [[0.2] * 16] * 2
+    k3, k_draft3, _ = plan_drafting(low, costs, 0.01, 16, draft_accepts=own)
+    assert k3 == 0 and k_draft3 == k_draft2
+
+
+@pytest.mark.parametrize("counts, pooled, want", [
+    ((0.0, 0.0), 0.7, 0.7),                   # no draft of its own yet: the controller's
+    ((36.0, 0.0), 0.7, (36 + 4 * 0.7) / 40),  # all accepted: towards 1
+    ((4.0, 4.0), 0.9, (4 + 3.6) / 12),        # rejected often: below the pooled
+])
+def test_a_sequences_own_acceptance_is_shrunk_towards_the_pooled(counts, pooled, want):
+    from mars_local.speculate.batched import _recent_acceptance
+
+    assert _recent_acceptance(counts, pooled) == pytest.approx(want)
+
+
+def test_an_imported_cost_is_a_prior_until_its_shape_is_timed_here():
+    """A shape's cost kept by an earlier process (timed at other loads, other depths) gives way to
+    the first forward of that shape timed in this process; shapes never run here stay imported."""
+    old = BatchCost(first_weight=0.5)
+    for _ in range(20):
+        old.observe(6, 0.18)
+        old.observe(8, 0.2)
+    new = BatchCost(first_weight=0.5)
+    new.import_state(old.export_state())
+    assert new.timed(6) and not new.seen_here(6)
+    new.observe(6, 0.14)
+    assert new.seen_here(6) and new.costs()[5] == pytest.approx(0.14)
+    assert new.costs()[7] == pytest.approx(0.2) and not new.seen_here(8)
+    gpu = BatchCost(first_weight=0.0)  # a GPU's first forward of a shape is not timed: the import stays till one is
+    gpu.import_state(old.export_state())
+    gpu.observe(6, 0.5)
+    assert gpu.costs()[5] == pytest.approx(0.18)
+    gpu.observe(6, 0.1)
+    assert gpu.costs()[5] == pytest.approx(0.1)
+
+
+def test_a_drafting_round_runs_a_neighbouring_draft_length_whose_shape_never_ran_here():
+    """The plan runs only the k it thinks best, so a shape it misjudges dear (a cost imported
+    from other loads) would never be timed: a neighbour of the plan's k whose shape did not run
+    in this process is run instead, first the longer, then the shorter, each once."""
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(cost=BatchCost(first_weight=0.5))
+    explore = lambda k_draft, k_room=8: Scheduler._explore_k(fake, 2, k_draft, k_room)  # noqa: E731
+    assert explore(2) == 3                      # 2 windows of 4 rows never ran: k = 3
+    fake.cost.observe(8, 0.2)
+    assert explore(2) == 1                      # then 2 windows of 2 rows
+    fake.cost.observe(4, 0.1)
+    assert explore(2) is None                   # both neighbours ran: the plan's k
+    assert explore(1) == 2 and explore(3) == 4  # (6 and 10 rows never ran)
+    assert explore(3, k_room=3) == 2            # never beyond the round's room: the shorter
+    fake.cost.observe(6, 0.15)
+    assert explore(3, k_room=3) is None
+
+
+def test_a_scheduler_runs_the_explored_length_and_stays_exact(engines):
+    """A round that explores verifies drafts of the explored length (when drafted that long)."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 2)
+    ks = []
+    try:
+        sched.calibrated = True
+        sched.mode.choose = lambda planned, *_: True
+        sched._explore_k = lambda n, k_draft, k_room: min(3, k_room)
+        real = sched._choose_k
+
+        def choose(seqs, drafts, k_room, k_min=0):
+            k = real(seqs, drafts, k_room, k_min)
+            if all(len(d) >= 3 for d in drafts):
+                ks.append(k)
+            return k
+
+        sched._choose_k = choose
+        outs = sched.generate_many(PROMPTS[:2], max_tokens=16, temperature=0, ignore_eos=True, verify="strict")
+    finally:
+        sched.close()
+    assert ks and all(k == 3 for k in ks), ks
+    for p, o in zip(PROMPTS[:2], outs):
+        assert o.tokens == plain(eng, p, 16)
