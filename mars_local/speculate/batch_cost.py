@@ -81,8 +81,7 @@ PLAN_MARGIN = 1.05
 
 def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], per_token: float, k_room: int,
                   lags: Sequence[int] = (), remaining: Sequence[int] = (), row_s: float = 0.0,
-                  margin: float = PLAN_MARGIN, draft_accepts: Sequence[Sequence[float]] | None = None
-                  ) -> tuple[int, int, float]:
+                  margin: float = PLAN_MARGIN) -> tuple[int, int, float]:
     """A draft model's round, planned before it drafts (pure): ``(k, k_draft, switch_s)``.
 
     ``accepts[i]``: sequence i's estimated acceptance per draft position (k_room of them);
@@ -94,20 +93,9 @@ def plan_drafting(accepts: Sequence[Sequence[float]], costs: Sequence[float], pe
     of a round), so a sequence near its end does not pay for a catch-up it cannot earn back.
 
     ``k``: the k of the best rate, 0 = plain rounds unless drafting's best rate is ``margin``
-    times theirs or more; ``k_draft``: the best k >= 1 (what a round that drafts uses), judged
-    by ``draft_accepts`` where given (the acceptance where the text is now, e.g. of each
-    sequence's latest draft: whether to draft is a choice that lasts, how far is one round's);
+    times theirs or more; ``k_draft``: the best k >= 1 (what a round that drafts uses);
     ``switch_s``: the catch-up per round at ``k_draft``.
     """
-    plain, best = _plan_rates(accepts, costs, per_token, k_room, lags, remaining, row_s)
-    drafts = best[1] > 0 and best[1] >= plain * margin
-    if draft_accepts is not None:
-        best = _plan_rates(draft_accepts, costs, per_token, k_room, lags, remaining, row_s)[1]
-    return best[0] if drafts else 0, best[0], best[2]
-
-
-def _plan_rates(accepts, costs, per_token, k_room, lags, remaining, row_s) -> tuple[float, tuple[int, float, float]]:
-    """(plain rounds' rate, (best k >= 1, its rate, its switch cost per round)): :func:`plan_drafting`."""
     n = len(accepts)
     lags = list(lags) or [0] * n
     remaining = list(remaining) or [1 << 30] * n
@@ -123,7 +111,8 @@ def _plan_rates(accepts, costs, per_token, k_room, lags, remaining, row_s) -> tu
             plain = rate
         elif rate > best_draft[1] * 1.0001:
             best_draft = (k, rate, switch)
-    return plain, best_draft
+    drafts = best_draft[1] > 0 and best_draft[1] >= plain * margin
+    return best_draft[0] if drafts else 0, best_draft[0], best_draft[2]
 
 
 @dataclass
@@ -145,7 +134,6 @@ class BatchCost:
     first_weight: float = 0.0
     _time: dict = field(default_factory=dict)  # rows -> [decayed seconds, decayed count]
     _warm: set = field(default_factory=set)
-    _imported: set = field(default_factory=set)  # shapes whose cost import_state gave, not yet run here
 
     def observe(self, rows: int, seconds: float, weight: float = 1.0) -> None:
         """A forward of ``rows`` rows took ``seconds`` (``weight``: what it counts for, 1 for a
@@ -155,21 +143,11 @@ class BatchCost:
             if self.first_weight <= 0.0:
                 return
             weight *= self.first_weight
-        if rows in self._imported:
-            # a cost an earlier process kept is a prior until the shape is timed here: it may
-            # have been timed at another load (rows of other sequences, other depths), and a plan
-            # that keeps it, weighed as several forwards, may never run the shape again to see
-            self._imported.discard(rows)
-            self._time.pop(rows, None)
         slot = self._time.setdefault(rows, [0.0, 0.0])
         if slot[1] >= 1.0:  # a stall (another process, a page fault) counts at 1.5x the mean at most
             seconds = min(seconds, 1.5 * slot[0] / slot[1])
         slot[0] = slot[0] * self.decay + seconds * weight
         slot[1] = slot[1] * self.decay + weight
-
-    def seen_here(self, rows: int) -> bool:
-        """Whether a forward of ``rows`` rows ran in this process (an imported cost is not)."""
-        return rows in self._warm
 
     def timed(self, rows: int) -> bool:
         """Whether a forward of ``rows`` rows was timed here (a calibration's counts too)."""
@@ -191,7 +169,6 @@ class BatchCost:
                 if 1 <= r and t > 0 and c > 0:
                     f = min(1.0, weight_cap / c)
                     self._time[r] = [t * f, c * f]  # (not warm: this process builds its graph again)
-                    self._imported.add(r)
         except (TypeError, ValueError, AttributeError):
             pass
 

@@ -27,9 +27,6 @@ class _Seq:
     done: bool = False
     error: BaseException | None = None
     t_start: float = 0.0
-    # its own drafts' acceptance (decayed draft tokens accepted, first rejections): where its
-    # text is now, the plan's acceptance for how far the next draft runs (Scheduler._plan_costly)
-    accepted: list = field(default_factory=lambda: [0.0, 0.0])
 
 
 class BatchStream(Iterator[Chunk]):

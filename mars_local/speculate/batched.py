@@ -67,10 +67,6 @@ CALIBRATION_ROWS = (1, 4, 16, 64)
 SAVE_EVERY_S = 10.0
 # a catch-up rate kept by an earlier process weighs this many tokens of catch-up here
 CATCH_IMPORT_ROWS = 64.0
-# a sequence's own acceptance (how far its drafts run): decay per round, and the draft tokens'
-# weight its controller's pooled acceptance counts for before the sequence has drafted
-RECENT_DECAY = 0.8
-RECENT_PRIOR = 4.0
 
 
 class Scheduler:
@@ -395,14 +391,13 @@ class Scheduler:
         # several decodes (a GPU's 16), the plan knowing their cost (BatchCost.split_rows)
         k_room = max(0, min(MAX_INVARIANT_ROWS // len(seqs), self.mc.max_rows) - 1)
         costly = [s for s in seqs if not s.run.drafter.cheap and s.run.ctrl is not None]
-        drafting = explore = None
+        drafting = None
         if costly and k_room > 0:  # plan before a draft model drafts: pooled acceptance, draft cost per token
             if not self.cost.draft_measured and self.eng.drafter_kind == "model" and not self._draft_timed:
                 self._calibrate_draft(seqs)
             k_plan, k_draft, switch_s, measured = self._probe_switch(seqs, k_room)
             drafting = self.mode.choose(k_plan > 0, switch_s, measured, len(seqs))
-            explore = self._explore_k(len(seqs), k_draft, k_room) if drafting else None
-            k_room = min(k_room, (explore or k_draft) if drafting else 0)
+            k_room = min(k_room, k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
         t_catch = self._draft_prompts(seqs) if k_room > 0 else 0.0
         before = sum(s.run.generated for s in seqs)
@@ -412,7 +407,7 @@ class Scheduler:
         self.cost.observe_draft(sum(len(d) for d in drafts), t_draft)
         # a round DraftOrNot chose to draft verifies a draft: k = 0 would pay the draft (and a draft
         # model's catch-up) and leave drafting's rate unmeasured, so the same trial would come again
-        k = self._choose_k(seqs, drafts, k_room, k_min=explore or (1 if drafting else 0))
+        k = self._choose_k(seqs, drafts, k_room, k_min=1 if drafting else 0)
         self.last_k, self.last_rows = k, len(seqs) * (k + 1)
         windows = []
         for s, d in zip(seqs, drafts):
@@ -436,18 +431,6 @@ class Scheduler:
                               clock() - t0 + (t_catch if steady else 0.0), len(seqs))
         self._drafted_last = bool(drafting)  # (a round that did not plan drafting did not draft either)
 
-    def _explore_k(self, n: int, k_draft: int, k_room: int) -> int | None:
-        """A draft length next to the plan's whose shape (``n`` windows of k + 1 rows) this process
-        has not run, to run this round instead: its cost is then measured, not a guess or a cost
-        an earlier process timed at other loads (the plan only ever runs the shapes it already
-        thinks best, so one it misjudges dear is never corrected; on the F16 stand-in at 2
-        sequences, 6 rows kept at 181 ms from rounds of 6 sequences made drafts of 1 token the
-        plan's choice for good, where 2 windows of 3 rows took 138).  None when both neighbours ran."""
-        for k in (k_draft + 1, k_draft - 1):
-            if 1 <= k <= k_room and not self.cost.seen_here(n * (k + 1)):
-                return k
-        return None
-
     def _plan_costly(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
         """The round's k before a draft model drafts, every sequence at its pooled acceptance
         (:func:`plan_drafting`): the best k, the best k >= 1 (what a drafting round uses), what
@@ -464,12 +447,7 @@ class Scheduler:
         lags = [self._lag(s) for s in seqs]
         remaining = [s.run.cfg.max_tokens - s.run.generated if not s.run.cfg.unlimited
                      else s.view.n_ctx - len(s.run.tokens) for s in seqs]
-        # how far this round drafts: each sequence's acceptance where its text is now, from its own
-        # rounds (on the F16 stand-in at 2 sequences the pooled 0.91, learned over every earlier
-        # text, planned drafts of 1 token where the sequences accepted 98 %)
-        recent = [[_recent_acceptance(s.accepted, a[0])] * k_room if k_room else a for s, a in zip(seqs, accepts)]
-        k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior, len(seqs)), per_token, k_room, lags,
-                                             remaining, row_s, draft_accepts=recent)
+        k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior, len(seqs)), per_token, k_room, lags, remaining, row_s)
         # (the draft's cost is the scheduler's own, timed in its batched decodes: the controller's
         # timing of lone drafts, which batched rounds never update, is not asked for)
         return k, k_draft, switch_s, self.cost.draft_measured and prior.acceptance_measured() and self.calibrated
@@ -574,10 +552,6 @@ class Scheduler:
             keys = d.keys if d.keys is not None else [None] * len(d)
             for i in range(min(res.n_accepted + 1, len(d))):
                 run.ctrl.observe_shadow(i < res.n_accepted, keys[i])
-        if len(d):
-            a = s.accepted  # (the first rejection ends what the round can say)
-            a[0] = RECENT_DECAY * a[0] + res.n_accepted
-            a[1] = RECENT_DECAY * a[1] + (res.n_accepted < len(d))
         chunk = s.run.emit(s.view, self.eng.target, None if from_prompt else len(d), res)
         if chunk is not None:
             s.chunks.append(chunk)
@@ -689,13 +663,6 @@ class Scheduler:
         for mc in (self.mc, self.dmc):
             if mc is not None:
                 mc.close()
-
-
-def _recent_acceptance(counts: Sequence[float], pooled: float) -> float:
-    """A sequence's own drafts' acceptance (``counts``: decayed accepted, rejected), shrunk
-    towards ``pooled`` (its controller's, learned over earlier texts) by RECENT_PRIOR tokens."""
-    acc, rej = counts
-    return (acc + RECENT_PRIOR * pooled) / (acc + rej + RECENT_PRIOR)
 
 
 def _cut(d: Draft, k: int) -> Draft:
