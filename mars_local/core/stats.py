@@ -10,9 +10,12 @@ class SpecStats:
     """Counters and timings of a generation.
 
     n_generated          tokens produced (accepted drafts + target tokens); the
-                         first comes from the prompt's own forward, in no round,
-                         when the prompt's last token rides in its last chunk
-                         (llama.context.last_rides).
+                         first comes from the prompt's own forward, in no round:
+                         its last token rides in its last chunk
+                         (llama.context.last_rides) or, where it cannot (the
+                         prompt all cached, or a last chunk too wide), is
+                         evaluated alone (a lone Engine; a Scheduler's sequence
+                         takes it in its first round instead).
     n_prompt             prompt tokens; n_prompt_evaluated of them were run
                          through the target (the rest came from its KV cache).
     n_rounds             target forwards in the decode loop (one per verify

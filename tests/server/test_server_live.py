@@ -73,7 +73,9 @@ def test_the_speculative_extension_changes_what_usage_reports(oa):
         "enabled": True, "verify": "strict", "draft_max": 4, "adaptive": False}})
     off = oa.completions.create(**kw, extra_body={"ignore_eos": True, "speculative": {"enabled": False}})
     s_on, s_off = on.usage.model_extra["speculative"], off.usage.model_extra["speculative"]
-    assert s_off["drafted"] == 0 and s_off["rounds"] == 24 and s_off["mean_accepted_length"] == 1.0
+    # (the prompt is cached from the request before: its first token from its last row, evaluated
+    # alone, in no round)
+    assert s_off["drafted"] == 0 and s_off["rounds"] == 23 and s_off["mean_accepted_length"] == 1.0
     assert s_on["drafted"] > 0 and s_on["rounds"] < 24
     assert on.choices[0].text == off.choices[0].text  # strict greedy is lossless
     with pytest.raises(openai.BadRequestError) as e:

@@ -182,11 +182,13 @@ def test_strict_sampling_preserves_the_models_next_token_distribution(tiny_targe
 def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k, repeat):
     """The whole-generation check of tests/core/test_verify_stats.py, through the real loop: a drafter
     given through the engine's seam samples k drafts from a fixed q != p (some outside p's support),
-    and the first two tokens of 2,000 seeded generations must follow p(t1) p(t2 | t1), with the
-    truncated pipeline (top-k 4, so 16 cells).  A prompt too long for its last token to ride in its
-    chunk (repeat 6): t1 too is drawn through verification; k = 1: t2 is the bonus row after an
-    accepted draft or the next round's row 0; k = 3: t2 is row 1 of a window whose history holds
-    draft d_0.  A short prompt (repeat 1): t1 comes from the prompt's own row, t2 from the first window."""
+    and the first three tokens of 2,000 seeded generations must follow p(t1) p(t2 | t1) p(t3 | t1 t2),
+    with the truncated pipeline (top-k 4, so 64 cells).  t1 comes from the prompt's last row: riding
+    in its one chunk (a short prompt, repeat 1) or evaluated alone (a prompt too long for its last
+    token to ride, repeat 6, and the whole prompt cached after the first generation); t2 is the
+    first window's row 0, drawn through verification against draft d_0; k = 1: t3 is the bonus row
+    after an accepted d_0 or the next round's row 0; k = 3: t3 is row 1 of a window whose history
+    holds d_0."""
     from mars_local.speculate.drafters import Draft, Drafter
 
     params = dict(temperature=1.3, top_k=4, top_p=1.0, min_p=0.0)
@@ -204,6 +206,7 @@ def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k, rep
         p1 = law(eng.logits(toks)[0])
         first = np.flatnonzero(p1)
         p2 = {int(a): law(eng.logits(toks + [int(a)])[0]) for a in first}
+        p3 = {(a, int(b)): law(eng.logits(toks + [a, int(b)])[0]) for a in p2 for b in np.flatnonzero(p2[a])}
     support = sorted(set(first) | {int(b) for row in p2.values() for b in np.flatnonzero(row)})
     q = np.zeros(len(p1))
     q[support] = 1.0
@@ -223,24 +226,28 @@ def test_the_real_loop_keeps_the_law_of_the_first_two_tokens(tiny_target, k, rep
         for seed in range(n):
             if repeat == 1:
                 eng.reset()  # else the whole prompt is cached and its last token has no chunk to ride in
-            out = eng.generate(toks, max_tokens=k + 1 + (repeat == 1), verify="strict", draft_max=k, adaptive=False, seed=seed,
+            out = eng.generate(toks, max_tokens=k + 2, verify="strict", draft_max=k, adaptive=False, seed=seed,
                                ignore_eos=True, **params)
-            t12 = tuple(out.tokens[:2])
-            assert out.stats.first_from_prompt == (repeat == 1)
-            counts[t12] = counts.get(t12, 0) + 1
+            t123 = tuple(out.tokens[:3])
+            assert out.stats.first_from_prompt and out.stats.n_drafted >= k  # t1 from the prompt's row; a window of k drafts
+            counts[t123] = counts.get(t123, 0) + 1
             accepted = out.stats.n_accepted if seed == 0 else accepted + out.stats.n_accepted
-    cells = [(int(a), int(b)) for a in first for b in np.flatnonzero(p2[int(a)])]
+    cells = [(a, b, int(c)) for (a, b), row in p3.items() for c in np.flatnonzero(row)]
     assert sum(counts.get(c, 0) for c in cells) == n  # nothing outside the law's support
-    exp = np.array([p1[a] * p2[a][b] * n for a, b in cells])
+    exp = np.array([p1[a] * p2[a][b] * p3[a, b][c] * n for a, b, c in cells])
     obs = np.array([counts.get(c, 0) for c in cells])
     assert accepted > n // 10  # drafts were accepted, so the accept/bonus rows were exercised
+    small = exp < 5.0  # cells too rare for the chi-square approximation are pooled into one
+    obs = np.append(obs[~small], obs[small].sum())
+    exp = np.append(exp[~small], exp[small].sum())
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 1e-3
 
 
 def test_the_first_token_comes_before_the_drafter_sees_the_prompt(tiny_target):
     """Time to first token: the prompt's last token rides in its last chunk, so the first chunk
     is yielded before the drafter begins (a draft model's prefill) and before any round; strict
-    greedy output is still plain greedy's, and a cached prompt (nothing to ride in) still works."""
+    greedy output is still plain greedy's; a cached prompt (nothing to ride in) has its last token
+    evaluated alone, its first token again before the drafter begins."""
     from mars_local.speculate.drafters import NgramDrafter
 
     events = []
@@ -261,8 +268,12 @@ def test_the_first_token_comes_before_the_drafter_sees_the_prompt(tiny_target):
         rest = [t for c in stream for t in c.tokens]
         n_prompt = len(eng.tokenize("hello world hello"))
         assert first.tokens + rest == want and events == [("begin", n_prompt + 1)]
-        again = eng.generate("hello world hello", max_tokens=10, temperature=0, verify="strict")
-        assert again.tokens == want and not again.stats.first_from_prompt  # all cached: the first window makes it
+        # all cached: nothing to ride in, so the last token is evaluated alone, before the drafter
+        events.clear()
+        again = eng.stream("hello world hello", max_tokens=10, temperature=0, verify="strict", adaptive=False)
+        first = next(again)
+        assert first.tokens == want[:1] and events == [] and again.stats.first_from_prompt
+        assert first.tokens + [t for c in again for t in c.tokens] == want and again.stats.n_prompt_evaluated == 0
 
 
 def test_kv_rollback_matches_a_fresh_evaluation(tiny_target):
