@@ -184,12 +184,13 @@ class Scheduler:
         return True
 
     def _admit(self) -> None:
-        while self._waiting and self._free:
+        joining = []  # the waiting requests that get a slot this round, in their order
+        while self._waiting and len(joining) < len(self._free):
             s = self._waiting.popleft()
-            if s.done:  # cancelled while waiting
-                continue
+            if not s.done:  # (cancelled while waiting)
+                joining.append(s)
+        for s, slot, kept in self._match(joining):
             prompt = s.run.tokens[:-1]
-            slot, kept = self._best_slot(prompt)
             self._free.remove(slot)
             s.view = self.mc.seq(slot)
             s.view.truncate(kept)  # the prefix its previous sequence left, as far as it is exact
@@ -205,21 +206,39 @@ class Scheduler:
             s.t_start = time.perf_counter()
             self._live[slot] = s
 
-    def _best_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """The free slot whose cells give the longest exact prefix of ``prompt``, and that length."""
-        slot, kept = self._longest_prefix(prompt, sorted(self._free), 0)
-        return (min(self._free), 0) if slot is None else (slot, kept)
+    def _match(self, joining: list[_Seq]) -> list[tuple[_Seq, int, int]]:
+        """A free slot for each joining sequence, and the prefix of its prompt the slot's cells
+        give exactly: the pair that keeps the most first, whichever request came first (two
+        requests arriving together each get the slot holding their own prefix), then of the
+        pairs that keep as much (none, or only a system prompt every slot holds) the slot holding
+        the fewest other tokens: what a slot holds is lost, and a long conversation kept there
+        is what its client's next request would otherwise prefill again."""
+        free = sorted(self._free)
+        reuse = {(i, slot): self._reuse(slot, s.run.tokens[:-1]) for i, s in enumerate(joining) for slot in free}
+        held = {slot: len(self.mc.seq(slot).tokens) for slot in free}
+        out, left = [], set(range(len(joining)))
+        while left:
+            i, slot = min(((i, slot) for i in left for slot in free),
+                          key=lambda p: (-reuse[p], held[p[1]] - reuse[p], p[0], p[1]))
+            out.append((joining[i], slot, reuse[i, slot]))
+            left.discard(i)
+            free.remove(slot)
+        return out
+
+    def _reuse(self, slot: int, prompt: list[int]) -> int:
+        """How many of ``prompt``'s tokens slot ``slot``'s cells give exactly (llama.streams.exact_reuse)."""
+        view = self.mc.seq(slot)
+        if not view.tokens:
+            return 0
+        return view.reachable(exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch,
+                                          self.mc.invariant_rows))
 
     def _longest_prefix(self, prompt: list[int], slots, floor: int) -> tuple[int | None, int]:
         """Of ``slots``, the first whose cells give the longest exact prefix of ``prompt`` longer
-        than ``floor`` (llama.streams.exact_reuse), and its length; (None, floor) when none does."""
+        than ``floor``, and its length; (None, floor) when none does."""
         best, n = None, floor
         for slot in slots:
-            view = self.mc.seq(slot)
-            if not view.tokens:
-                continue
-            m = view.reachable(exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch,
-                                           self.mc.invariant_rows))
+            m = self._reuse(slot, prompt)
             if m > n:
                 best, n = slot, m
         return best, n

@@ -1141,3 +1141,32 @@ def test_calibration_times_only_the_row_counts_not_kept_from_an_earlier_process(
     finally:
         sched.close()
     assert timed == [64] and sched.cost.timed(64)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_new_prompt_takes_the_slot_holding_least_and_a_conversation_keeps_its_own(engines, together):
+    """Slots keep what their last sequence held for the next request's prefix. A prompt that
+    shares nothing with any slot takes the one holding the fewest tokens (not the lowest: that
+    was a long conversation's), and requests arriving together are matched to slots by the
+    prefixes they keep, whichever came first; outputs stay exact."""
+    eng = engines["model"]
+    conv = eng.tokenize("user: tell me about the fox. assistant:")  # (all within one exact chunk)
+    short, new = eng.tokenize("hi"), eng.tokenize("a different question")
+    sch = Scheduler(eng, 2)
+    try:
+        first = [sch.submit(p, max_tokens=8, temperature=0, ignore_eos=True, verify="strict") for p in (conv, short)]
+        convo = conv + first[0].result().tokens + eng.tokenize(" user: more")
+        first[1].result()
+        order = [(new, convo)] if together else [(new,), (convo,)]
+        got = {}
+        for wave in order:
+            streams = [(tuple(p), sch.submit(p, max_tokens=8, temperature=0, ignore_eos=True, verify="strict")) for p in wave]
+            for p, st in streams:
+                got[p] = st.result()
+    finally:
+        sch.close()
+    new, convo = tuple(new), tuple(convo)
+    assert len(convo) < 64
+    assert got[convo].stats.n_prompt_evaluated <= got[convo].stats.n_prompt - len(conv)
+    for p in (new, convo):
+        assert got[p].tokens == plain(eng, list(p), 8)
