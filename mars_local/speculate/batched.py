@@ -213,16 +213,19 @@ class Scheduler:
         pairs that keep as much (none, or only a system prompt every slot holds) the slot holding
         the fewest other tokens: what a slot holds is lost, and a long conversation kept there
         is what its client's next request would otherwise prefill again."""
-        free = sorted(self._free)
-        reuse = {(i, slot): self._reuse(slot, s.run.tokens[:-1]) for i, s in enumerate(joining) for slot in free}
-        held = {slot: len(self.mc.seq(slot).tokens) for slot in free}
-        out, left = [], set(range(len(joining)))
-        while left:
-            i, slot = min(((i, slot) for i in left for slot in free),
-                          key=lambda p: (-reuse[p], held[p[1]] - reuse[p], p[0], p[1]))
-            out.append((joining[i], slot, reuse[i, slot]))
-            left.discard(i)
-            free.remove(slot)
+        held = {slot: len(self.mc.seq(slot).tokens) for slot in self._free}
+        pairs = []  # (-kept, tokens lost besides, arrival, slot): the best pair first
+        for i, s in enumerate(joining):
+            for slot in self._free:
+                m = self._reuse(slot, s.run.tokens[:-1])
+                pairs.append((-m, held[slot] - m, i, slot))
+        pairs.sort()
+        out, taken, used = [], set(), set()
+        for neg_m, _, i, slot in pairs:  # (keys never change as pairs are taken: one sorted pass)
+            if i not in taken and slot not in used:
+                out.append((joining[i], slot, -neg_m))
+                taken.add(i)
+                used.add(slot)
         return out
 
     def _reuse(self, slot: int, prompt: list[int]) -> int:

@@ -276,8 +276,8 @@ class Engine(TargetAccess):
         stats.verify_backend = "native" if use_native else "numpy"
         first = self._prefill(run, t_start)
         if first is not None:
-            # the prompt's last token rode in its last chunk: the first token is
-            # known now, before the drafter has even seen the prompt (time to first token)
+            # the prompt's last row was evaluated (riding in its last chunk, or alone): the first
+            # token is known now, before the drafter has even seen the prompt (time to first token)
             chunk = self._first_token(run, verify_window, first)
             if chunk is not None:
                 yield chunk
@@ -327,9 +327,10 @@ class Engine(TargetAccess):
             yield tail
 
     def _prefill(self, run: _Run, t_start: float) -> np.ndarray | None:
-        """Bring the target cache to the prompt minus its last token, reusing what it
-        shares with it; the last token too when it rides in the last chunk for free
-        (llama.context.last_rides), and then its logits row is returned."""
+        """Bring the target cache to the prompt, reusing what it shares with it, and return the
+        last token's logits row (the first token's distribution): that token rides in the last
+        chunk where that is free (llama.context.last_rides), else it is evaluated alone.  None
+        only where the context has no room for it (the cache then holds the prompt minus it)."""
         stats = run.stats
         stats.n_prompt_evaluated, first = self._ctx.prefill(run.tokens)
         if first is None and len(run.tokens) <= self._ctx.n_ctx:
