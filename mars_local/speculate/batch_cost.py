@@ -12,7 +12,7 @@ import numpy as np
 from ..core.defaults import SETTINGS
 from .adaptive import AdaptiveK, expected_tokens
 
-__all__ = ["choose_window", "plan_drafting", "isotonic", "BatchCost", "DraftOrNot", "auto_parallel", "resolve_parallel",
+__all__ = ["choose_window", "plan_drafting", "isotonic", "drop_strays", "BatchCost", "DraftOrNot", "auto_parallel", "resolve_parallel",
            "MAX_ROWS"]
 
 MAX_ROWS = SETTINGS["draft_max"].hi + 1  # rows one forward may carry exactly (llama.streams.MAX_INVARIANT_ROWS)
@@ -42,6 +42,30 @@ def isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     out: list[float] = []
     for s, w, n in blocks:
         out.extend([s / w] * n)
+    return out
+
+
+def drop_strays(timed: Sequence[tuple[int, float, float]]) -> list[tuple[int, float, float]]:
+    """``timed``: (rows, mean seconds, weight) of the sizes timed, by rows; returns them without
+    the strays (pure): a size timed less than once (a shape's first forward, a calibration's)
+    whose cost lies outside what the sizes on either side, timed once or more, allow (more than
+    the next wider one's, or less than the next narrower one's, after :func:`isotonic`).  A
+    forward of fewer rows never costs more than one of more, so such a sample caught the machine
+    busy; pooled, it would raise every size up to the wider one (on the Zen 4, one 5-row forward
+    of 329 ms, kept in the learned state, put 5–8 rows of the F16 stand-in at 193 ms, where 5
+    rows cost ~140).  Left out, the size is interpolated; it still counts as timed."""
+    sure = [(r, m, c) for r, m, c in timed if c >= 1.0]
+    if len(sure) < 2:
+        return list(timed)
+    fit = dict(zip((r for r, _, _ in sure), isotonic([m for _, m, _ in sure], [c for _, _, c in sure])))
+    out = []
+    for r, m, c in timed:
+        if c < 1.0:
+            lo = max((x for x in fit if x < r), default=None)
+            hi = min((x for x in fit if x > r), default=None)
+            if lo is not None and hi is not None and not fit[lo] <= m <= fit[hi]:
+                continue
+        out.append((r, m, c))
     return out
 
 
@@ -198,7 +222,9 @@ class BatchCost:
         forwards look cheaper than it (the plan would draft where every forward costs more) nor,
         once wider sizes have been timed often for less, keeps every size above it dear (on a
         GPU, a slow calibration forward of 1 or 4 rows made plain rounds of 8 look dearer than
-        drafting rounds of 64).  With ``split_rows``,
+        drafting rounds of 64).  Before that fit, a size timed less than once that its
+        neighbours, timed more, contradict is left out and interpolated (:func:`drop_strays`).
+        With ``split_rows``,
         a round of more rows is several decodes of whole windows: ``n_seqs`` windows of R / n_seqs
         rows each where R is a multiple of it (what the plan asks for), else full decodes."""
         return list(np.maximum.accumulate(self._curve(prior, n_seqs)))
@@ -224,7 +250,8 @@ class BatchCost:
         return out
 
     def _one_decode_curve(self, prior: AdaptiveK | None, upto: int | None = None) -> list[float]:
-        timed = sorted((r, t / c, c) for r, (t, c) in self._time.items() if self.timed(r) and (upto is None or r <= upto))
+        timed = drop_strays(sorted((r, t / c, c) for r, (t, c) in self._time.items()
+                                   if self.timed(r) and (upto is None or r <= upto)))
         seen = dict(zip((r for r, _, _ in timed), isotonic([m for _, m, _ in timed], [c for _, _, c in timed])))
         lone = prior.target_costs(self.max_rows) if prior is not None else None
         if lone is not None:

@@ -16,7 +16,7 @@ from mars_local.llama.runtime import GPU_INVARIANT_ROWS, Model, invariant_rows
 from mars_local.llama.streams import MultiContext, exact_reuse
 from mars_local.speculate.adaptive import POOL
 from mars_local.speculate.batch_cost import (CALIBRATION_WEIGHT, PLAN_MARGIN, BatchCost, DraftOrNot, choose_window,
-                                              isotonic, plan_drafting)
+                                              drop_strays, isotonic, plan_drafting)
 from mars_local.speculate.batched import Scheduler
 
 PROMPTS = [f"item {i}: " + "the quick brown fox jumps over the lazy dog " * (i % 4) + "and" * (i % 3)
@@ -194,6 +194,39 @@ def test_one_slow_forward_makes_no_wider_forward_look_cheaper():
     c2.observe(2, 10.0)  # a stall
     t, n = c2._time[2]
     assert t / n == pytest.approx((0.1 * c2.decay + 0.15) / (c2.decay + 1))
+
+
+@pytest.mark.parametrize("timed, kept", [
+    # a first forward (weight < 1) above its wider neighbour's cost: a stall, left out
+    ([(4, 0.097, 3.0), (5, 0.329, 0.5), (6, 0.181, 3.0), (8, 0.174, 3.0)], [4, 6, 8]),
+    # below its narrower neighbour's: left out too
+    ([(2, 0.10, 3.0), (3, 0.05, 0.5), (4, 0.12, 3.0)], [2, 4]),
+    # between them: kept
+    ([(4, 0.097, 3.0), (5, 0.14, 0.5), (8, 0.174, 3.0)], [4, 5, 8]),
+    # timed once or more: kept whatever it says (isotonic pools it)
+    ([(4, 0.097, 3.0), (5, 0.329, 1.0), (8, 0.174, 3.0)], [4, 5, 8]),
+    # not between two sizes timed once or more: kept (nothing to contradict it)
+    ([(1, 0.073, 0.5), (4, 0.097, 0.5), (8, 0.035, 3.0), (16, 0.044, 3.0)], [1, 4, 8, 16]),
+    ([(8, 0.1, 3.0), (16, 0.2, 3.0), (24, 0.9, 0.5)], [8, 16, 24]),
+    ([(8, 0.1, 3.0), (9, 0.9, 0.5)], [8, 9]),
+])
+def test_a_size_timed_less_than_once_is_left_out_where_its_neighbours_contradict_it(timed, kept):
+    assert [r for r, _, _ in drop_strays(timed)] == kept
+
+
+def test_one_stray_first_forward_kept_from_an_earlier_process_does_not_raise_its_neighbours():
+    """The Zen 4's learned F16 state: 4, 6, 7 and 8 rows timed in many rounds, 5 rows once, a
+    first forward at 329 ms (half weight).  Pooled, it held 5-8 rows at 193 ms, where a 5-row
+    forward costs ~140: now 5 rows are interpolated between 4 and 6, and 6-8 keep their own fit.
+    The build before fails it: 0.193 for 5 rows."""
+    c = BatchCost(max_rows=16, first_weight=0.5)
+    c.import_state({"time": {"4": [0.0967 * 3, 3.0], "5": [0.3294 * 0.5, 0.5], "6": [0.181 * 3, 3.0],
+                             "7": [0.2008 * 3, 3.0], "8": [0.1738 * 3, 3.0]}})
+    got = c.costs()
+    assert got[4] == pytest.approx((0.0967 + 0.181) / 2)  # 5 rows: between 4 and 6
+    assert got[5] == pytest.approx(0.181)
+    assert got[6] == got[7] == pytest.approx((0.2008 + 0.1738) / 2)  # 7 and 8 pooled, as before
+    assert c.timed(5)  # still timed: no probe of it comes back
 
 
 @pytest.mark.parametrize("values, weights, want", [
