@@ -7,6 +7,7 @@ prints.  :mod:`mars_local.cli.main` registers the command.
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -14,6 +15,7 @@ from typing import List, Optional
 import typer
 
 from . import flags as opt
+from .typed import ARGV
 from ..core.choices import BENCH_DRAFTERS, choice
 from ..core.defaults import DEFAULTS, check
 from ..core.errors import MarsError
@@ -101,6 +103,13 @@ FORMAT_JSON = typer.Option(
 )
 JSON_PATH = typer.Option(None, "--json", help="Write the results as JSON to this file.")
 PLOT_PATH = typer.Option(None, "--plot", help="Write a PNG of speedup and quality vs θ.")
+CLIENTS = typer.Option(
+    None, "--clients", metavar="N1,N2,...",
+    help="A serving sweep instead: `mars serve` with N concurrent streaming clients at each N (--parallel N), "
+    "speculative (strict) and plain, and llama-server at -np N from --llama-cpp-bin; tokens/s, time to first "
+    "token, τ. E.g. 1,2,4,8,16.",
+)
+REQUESTS = typer.Option(2, "--requests", help="With --clients: requests each client sends in turn.")
 _OWN = {"max_tokens_bench": N_PREDICT, "draft_max": DRAFT_MAX, "seed": SEED, "drafter": DRAFTER}
 
 
@@ -136,9 +145,17 @@ def bench(
     format_json: bool = FORMAT_JSON,
     json_path: Optional[Path] = JSON_PATH,
     plot_path: Optional[Path] = PLOT_PATH,
+    clients: Optional[str] = CLIENTS,
+    requests: int = REQUESTS,
 ) -> None:
-    """Benchmark plain, strict and MARS decoding (speed and quality) on a prompt set."""
+    """Benchmark plain, strict and MARS decoding (speed and quality) on a prompt set; with --clients,
+    serving throughput at each number of concurrent clients, against llama-server."""
     flags = dict(locals())  # every option by name, for the steps below
+    if clients is not None:
+        with opt.flag_errors(**_OWN):
+            sweep, command = _plan_sweep(flags)
+        _run_sweep(sweep, command)
+        return
     with opt.flag_errors(**_OWN):
         settings, prompt_list = _plan(flags)
     _check_outputs(settings, json_path, plot_path)
@@ -181,6 +198,81 @@ def _plan(f: dict):
     )
     settings.validate()
     return settings, prompt_list
+
+
+# options of the per-prompt bench that a serving sweep has no use for: given with --clients, an error
+_NOT_IN_SWEEP = {"thetas": "--thetas", "fixed_k": "--fixed-k", "peer_k": "--peer-k", "format_json": "--format-json",
+                 "plot_path": "--plot", "rpc": "--rpc", "rpc_draft": "--rpc-draft", "tensor_split": "--tensor-split",
+                 "ngld": "-ngld"}
+
+
+def _plan_sweep(f: dict):
+    """The serving sweep's settings (:func:`mars_local.bench.serving.parse_args`) from the
+    command's flags ``f``, and the command line it reports; nothing is started."""
+    from .. import bench as B
+    from ..bench import serving
+
+    given = [flag for name, flag in _NOT_IN_SWEEP.items() if f[name] not in (None, False)]
+    if f["temp"] != 0:
+        given.append("--temp")
+    if given:
+        raise MarsError(f"--clients runs a greedy serving sweep: {', '.join(given)} "
+                        f"{'does' if len(given) == 1 else 'do'} not apply to it")
+    if f["requests"] < 1:
+        raise MarsError(f"--requests must be >= 1, got {f['requests']}")
+    from ..server import check_installed
+
+    check_installed()  # the sweep starts mars serve
+    serving.check_installed()
+    models = choose_models(f["model"], f["model_draft"], f["drafter"], pair=f["pair"])
+    drafter = f["drafter"] or (models.drafter if models.drafter != "none" else "ngram")
+    n_predict, requests = f["n_predict"], f["requests"]
+    if f["quick"]:
+        n_predict, requests = min(n_predict, 16), 1
+    if f["threads"] is None:
+        from ..llama.runtime import default_threads
+
+        threads = default_threads()  # mars serve's own default, given to llama-server too
+    else:
+        threads = f["threads"]
+    argv = ["-m", str(models.target), *(["-md", str(models.draft)] if models.draft is not None else []),
+            "--drafter", drafter, "--clients", f["clients"], "--requests", str(requests), "-n", str(n_predict),
+            "-t", str(threads), "-c", str(f["ctx_size"]), "--repeat", str(f["repeat"])]
+    if f["draft_max"] is not None:
+        argv += ["--draft-max", str(f["draft_max"])]
+    if f["ngl"] is not None:
+        argv += ["-ngl", f["ngl"]]
+    argv += ["--llama-bin", str(f["llama_cpp_bin"])] if f["llama_cpp_bin"] is not None else ["--no-peers"]
+    if f["json_path"] is not None:
+        B.check_writable(f["json_path"], "--json")
+        argv += ["--json", str(f["json_path"])]
+    sweep = serving.parse_args(argv, prog="mars bench", raising=True)
+    if f["prompts"] or f["categories"] or f["per_category"] is not None:
+        sweep.prompt_list = _sweep_prompts(f)
+    return sweep, shlex.join(["mars", *ARGV])
+
+
+def _sweep_prompts(f: dict) -> list:
+    """The bench prompts --prompts/--categories/--per-category choose, as the sweep's requests:
+    a chat prompt's messages, a raw prompt as the user's turn."""
+    from .. import bench as B
+
+    prompt_list = B.load_prompts(f["prompts"], _split(f["categories"]) or None)
+    if f["per_category"] is not None:
+        if f["per_category"] < 1:
+            raise MarsError(f"--per-category must be >= 1, got {f['per_category']}")
+        prompt_list = B.quick_subset(prompt_list, f["per_category"])
+    if not prompt_list:
+        raise MarsError("no prompts left for the sweep")
+    return [list(map(dict, p.messages)) if p.messages else p.text for p in prompt_list]
+
+
+def _run_sweep(sweep, command: str) -> None:
+    from ..bench import serving
+
+    code = serving.execute(sweep, command)
+    if code:
+        serving.exit_now(code)
 
 
 def _check_outputs(settings, json_path: Optional[Path], plot_path: Optional[Path]) -> None:

@@ -1,4 +1,5 @@
-"""benchmarks/serve_bench.py end to end on the tiny models (mars serve only; llama-server skipped)."""
+"""The serving sweep (mars_local.bench.serving) end to end on the tiny models, through
+benchmarks/serve_bench.py and `mars bench --clients` (mars serve only; llama-server skipped)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import benchmark_script
+from helpers import invoke, mars, one_error_line
+from mars_local.bench import serving
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "serve_bench.py"
@@ -120,7 +122,7 @@ def _row(rnd, config, n, tps, ttft):
 def test_the_summary_takes_each_ratio_within_a_round():
     """Round 2 ran 2x slower for everyone: the ratios, taken within each round, do not move;
     the best of each side is taken per round (mars spec in round 1, mars plain in round 2)."""
-    sb = benchmark_script("serve_bench")
+    sb = serving
     rows = [_row(1, "mars spec", 4, 30.0, 500), _row(1, "mars plain", 4, 20.0, 400),
             _row(1, "llama-server plain", 4, 20.0, 800), _row(1, "llama-server spec", 4, 10.0, 1000),
             _row(2, "mars spec", 4, 9.0, 1000), _row(2, "mars plain", 4, 12.0, 800),
@@ -137,7 +139,7 @@ def test_the_summary_takes_each_ratio_within_a_round():
 
 
 def test_the_summary_without_peers_has_mars_ratios_only():
-    sb = benchmark_script("serve_bench")
+    sb = serving
     (e,) = sb.summarize([_row(1, "mars spec", 2, 15.0, 300), _row(1, "mars plain", 2, 10.0, 200)])
     assert e["spec_vs_plain"]["median"] == pytest.approx(1.5)
     assert "best_vs_llama_best" not in e and "ttft_vs_llama" not in e
@@ -163,3 +165,82 @@ def test_repeated_rounds_interleave_and_end_with_medians(tiny_target, tiny_draft
 def test_repeat_needs_fresh_servers_per_n(tiny_target, tiny_draft):
     p = bench("-m", tiny_target, "-md", tiny_draft, "--no-peers", "--parallel", "4", "--repeat", "2")
     assert p.returncode == 2 and "--repeat needs --parallel match" in p.stderr and "Traceback" not in p.stderr
+
+
+# ------------------------------------------------------------------ mars bench --clients
+def test_a_request_is_a_user_turn_or_the_messages_given():
+    a = serving.parse_args(["-m", "t.gguf", "--no-peers"])
+    one = serving.request_body(a, "mars plain", "hi", 5)
+    assert one["messages"] == [{"role": "user", "content": "hi"}] and one["max_tokens"] == 5
+    assert one["speculative"] == {"enabled": False} and one["stream"] and one["temperature"] == 0
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    spec = serving.request_body(a, "mars spec", turns, 5)
+    assert spec["messages"] == turns and spec["speculative"] == {"enabled": True}
+    assert "speculative" not in serving.request_body(a, "llama-server plain", "hi", 5)
+
+
+@pytest.mark.slow
+def test_mars_bench_clients_runs_the_sweep_on_the_bench_prompts(tiny_target, tiny_draft, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "chat", "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]}) + "\n"
+        + json.dumps({"id": "b", "category": "code", "prompt": "def add(a, b):"}) + "\n")
+    out = tmp_path / "rows.json"
+    r = mars("bench", "-m", tiny_target, "-md", tiny_draft, "--clients", "1,2", "--requests", "1", "-n", "6",
+             "-t", "1", "--prompts", prompts, "--json", out, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(out.read_text())
+    rows = {(x["config"], x["clients"]): x for x in doc["rows"]}
+    assert set(rows) == {(c, n) for c in ("mars spec", "mars plain") for n in (1, 2)}
+    assert all(x["completion_tokens"] == x["clients"] * 6 for x in rows.values())
+    assert all(x["tau"] is not None for x in rows.values())  # mars serve's own statistics came back
+    assert rows[("mars plain", 2)]["drafted"] == 0 and rows[("mars plain", 2)]["tau"] == 1.0
+    assert doc["settings"]["threads"] == 1 and doc["settings"]["draft"] == str(tiny_draft)
+    assert "prog" not in doc["settings"] and "prompt_list" not in doc["settings"]
+    assert "| mars plain | 2 |" in r.stdout and "command: mars bench -m" in r.stdout
+    assert "--verify strict" in r.stdout  # the mars serve command line is reported
+    assert [ln for ln in r.stderr.splitlines() if "client(s)" in ln][0].startswith("mars bench: mars spec, 1 client")
+
+
+@pytest.mark.slow
+def test_mars_bench_clients_without_a_draft_model_drafts_ngrams(tiny_target, tmp_path):
+    out = tmp_path / "rows.json"
+    r = mars("bench", "-m", tiny_target, "--clients", "1", "--requests", "1", "-n", "4", "-t", "1",
+             "--llama-cpp-bin", tmp_path, "--json", out, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "no llama-server in" in r.stderr and "Traceback" not in r.stderr
+    doc = json.loads(out.read_text())
+    assert {x["config"] for x in doc["rows"]} == {"mars spec", "mars plain"}
+    assert doc["settings"]["draft"] is None and doc["settings"]["drafter"] == "ngram"
+    assert "--drafter ngram" in r.stdout and " -md " not in r.stdout
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--clients", "x"], "--clients must be a comma list"),
+    (["--clients", "0"], "--clients must be integers >= 1"),
+    (["--clients", "1", "--requests", "0"], "--requests must be >= 1"),
+    (["--clients", "1", "--repeat", "0"], "--repeat must be >= 1"),
+    (["--clients", "1", "--thetas", "0.9"], "--thetas does not apply"),
+    (["--clients", "1", "--fixed-k", "2", "--plot", "x.png"], "--fixed-k, --plot do not apply"),
+    (["--clients", "1", "--temp", "0.7"], "--temp does not apply"),
+    (["--clients", "1", "--json", "/no/such/dir/out.json"], "no such directory"),
+    (["--clients", "1", "--categories", "nope"], "nope"),
+])
+def test_bad_sweep_input_is_one_line_before_any_server(tiny_target, extra, needle):
+    r = invoke("bench", "-m", tiny_target, *extra)
+    assert needle in one_error_line(r)
+    assert r.stdout == ""
+
+
+def test_a_missing_model_in_the_sweep_is_one_line(tmp_path):
+    r = invoke("bench", "-m", tmp_path / "nope.gguf", "--clients", "1")
+    assert "nope.gguf" in one_error_line(r)
+
+
+@pytest.mark.parametrize("module, needle", [("httpx", "needs httpx"), ("fastapi", "mars serve needs fastapi")])
+def test_the_sweep_without_the_server_extra_is_a_one_line_hint(tiny_target, monkeypatch, module, needle):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails
+    r = invoke("bench", "-m", tiny_target, "--clients", "1")
+    line = one_error_line(r)
+    assert needle in line and "mars-local[server]" in line
