@@ -238,8 +238,8 @@ def _plan_sweep(f: dict):
     argv = ["-m", str(models.target), *(["-md", str(models.draft)] if models.draft is not None else []),
             "--drafter", drafter, "--clients", f["clients"], "--requests", str(requests), "-n", str(n_predict),
             "-t", str(threads), "-c", str(f["ctx_size"]), "--repeat", str(f["repeat"])]
-    if f["draft_max"] is not None:
-        argv += ["--draft-max", str(f["draft_max"])]
+    draft_max = f["draft_max"] if f["draft_max"] is not None else opt.make_config(models).draft_max  # the pair's
+    argv += ["--draft-max", str(draft_max)]
     if f["ngl"] is not None:
         argv += ["-ngl", f["ngl"]]
     argv += ["--llama-bin", str(f["llama_cpp_bin"])] if f["llama_cpp_bin"] is not None else ["--no-peers"]

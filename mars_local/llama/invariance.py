@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from .context import Context
-from .runtime import Model
+from .runtime import Model, on_own_thread
 
 __all__ = ["batch_invariance", "model_invariance"]
 
@@ -39,7 +39,15 @@ def batch_invariance(path: str | os.PathLike, windows=(2, 5, 9, 17), n: int = 48
 
 def model_invariance(m: Model, windows=(2, 5, 9, 17), n: int = 48, n_threads: int | None = None,
                      prompt: str = "The history of the printing press begins") -> dict[int, tuple[int, float]]:
-    """:func:`batch_invariance` of a loaded model (a context of its own, closed after)."""
+    """:func:`batch_invariance` of a loaded model (a context of its own, closed after).
+
+    It computes on a thread of its own (:func:`~mars_local.llama.runtime.on_own_thread`): the
+    engine's loader calls it (the repack probe, ``mars_local.speculate.repack``) on the thread that
+    loads the models, which in ``mars serve`` is not the thread that generates."""
+    return on_own_thread(_model_invariance, m, windows, n, n_threads, prompt)
+
+
+def _model_invariance(m: Model, windows, n: int, n_threads: int | None, prompt: str) -> dict[int, tuple[int, float]]:
     toks = m.tokenize(prompt)
     ctx = Context(m, n_ctx=max(256, len(toks) + n + 64), n_threads=n_threads)
     try:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 from pathlib import Path
 
 from ..core.defaults import SETTINGS
@@ -95,6 +97,43 @@ def build_fingerprint() -> str:
             pass
         _build_fp = hashlib.sha1("\n".join(parts).encode()).hexdigest()[:12]
     return _build_fp
+
+
+T = TypeVar("T")
+
+
+def on_own_thread(fn: Callable[..., T], *args) -> T:
+    """``fn(*args)`` computed on a new thread that ends with it; its result, or its exception.
+
+    ggml's CPU backend is built with OpenMP, and libgomp keeps a pool of worker threads for each
+    thread that has computed, for the life of that thread.  Once the pools' threads outnumber the
+    cores, libgomp spins for a fraction of its usual time before a waiting thread sleeps, and ggml
+    waits at a barrier after every operation of a forward.  So one forward on the thread that loads
+    the models, where another thread generates (``mars serve``: the repack probe at load), left that
+    server's rounds ~1.8x slower on 2 cores for its whole life (K-quant stand-in, BENCHMARKS.md run
+    34).  A thread that ends takes its pool with it.  Ctrl-C meanwhile waits for ``fn`` to end (its
+    model must not be freed under it), then is raised."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    t = threading.Thread(target=run, name="mars-compute", daemon=True)
+    t.start()
+    interrupted = None
+    while t.is_alive():
+        try:
+            t.join()
+        except KeyboardInterrupt as exc:  # let fn finish with what it uses, then stop
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def default_threads() -> int:

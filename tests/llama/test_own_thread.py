@@ -1,0 +1,54 @@
+"""Computing on a thread of its own (llama.runtime.on_own_thread): the repack probe at load must leave
+no OpenMP pool on the loading thread, or a server that generates on another thread runs every round
+with libgomp's short spins (BENCHMARKS.md run 34: ~1.8x slower rounds on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from helpers import run_python
+from mars_local.llama.runtime import on_own_thread
+
+
+def test_the_result_and_the_exception_come_back_from_another_thread():
+    here = threading.get_ident()
+    assert on_own_thread(lambda a, b: (a + b, threading.get_ident() != here), 2, 3) == (5, True)
+
+    def fail():
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        on_own_thread(fail)
+
+
+def test_a_probe_leaves_no_compute_threads_behind(tiny_target):
+    """The threads of the process before and after model_invariance on this thread (2 compute
+    threads): equal.  Computing on this thread itself keeps a pool worker alive (the control)."""
+    code = f"""
+import json, os, time
+from mars_local.llama.invariance import model_invariance, _model_invariance
+from mars_local.llama.runtime import Model
+n = lambda: len(os.listdir("/proc/self/task"))
+m = Model({str(tiny_target)!r}, 0, exact_kernels=True)
+before = n()
+rows = model_invariance(m, (2, 3), 6, 2)
+for _ in range(200):  # the ended thread's pool workers are told to exit, not waited for: give them 2 s
+    if n() <= before:
+        break
+    time.sleep(0.01)
+after_probe = n()
+_model_invariance(m, (2,), 4, 2, "Hello there")  # on this thread: what the probe did before
+gomp = "libgomp" in open("/proc/self/maps").read()
+print(json.dumps([before, after_probe, n(), {{str(k): v[0] for k, v in rows.items()}}, gomp]))
+m.close()
+"""
+    r = run_python(code, timeout=120)
+    assert r.returncode == 0, r.stderr
+    before, after_probe, after_here, rows, gomp = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rows == {"2": 0, "3": 0}  # the probe still measures (exact kernels: no row differs)
+    assert after_probe == before
+    if gomp:  # ggml built with OpenMP (Linux, gcc: `make install`'s build)
+        assert after_here > before, "the control: a forward on this thread leaves libgomp's pool worker"
