@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     ap.add_argument("--verify", choices=("strict", "mars"), default=None,
                     help="the verification rule (default: mars-local's)")
     ap.add_argument("--serve-prompts", action="store_true",
-                    help="serve_bench.py's built-in prompts instead of the bench's")
+                    help="the serving sweep's built-in prompts (mars_local.bench.serving) instead of the bench's")
     ap.add_argument("--json", default=None, metavar="OUT")
     a = ap.parse_args(argv)
     try:
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     with Engine(a.target, a.model_draft, drafter=drafter, n_ctx=1024, n_gpu_layers=a.ngl, n_gpu_layers_draft=a.ngl,
                 n_threads=a.threads, learned=a.learned, exact_kernels=not a.fast_kernels) as eng:
         if a.serve_prompts:
-            from serve_bench import PROMPTS
+            from mars_local.bench.serving import PROMPTS
 
             every = [eng.chat_prompt([{"role": "user", "content": p}]) for p in PROMPTS]
         else:

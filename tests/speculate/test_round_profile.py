@@ -28,7 +28,7 @@ def test_the_parts_of_a_round_add_up_to_its_wall_time(tiny_target, tiny_draft, t
 def test_plain_rounds_have_no_draft_time(tiny_target, tmp_path):
     out = tmp_path / "r.json"
     assert benchmark_script("round_profile").main([str(tiny_target), "--parallel", "2", "-n", "6", "-t", "1",
-                                                   "--json", str(out)]) == 0
+                                                   "--serve-prompts", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["ms_per_round"]["draft"] == 0 and row["ms_per_round"]["windows"] > 0
     assert row["tokens"] == 12 and row["rounds"] >= 5  # a plain round adds one token a sequence (the first: the prompt's)
