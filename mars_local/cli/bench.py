@@ -168,17 +168,12 @@ def _plan(f: dict):
     from .. import bench as B
 
     theta_list = parse_thetas(f["thetas"]) if f["thetas"] is not None else None
-    cats = _split(f["categories"])
-    prompt_list = B.load_prompts(f["prompts"], cats or None)
+    prompt_list = _chosen_prompts(f)
     if f["drafter"] is not None:
         choice(f["drafter"], BENCH_DRAFTERS, "drafter")
     models = choose_models(f["model"], f["model_draft"], f["drafter"], pair=f["pair"])
     recommended = opt.make_config(models)  # the pair's θ and k, or the defaults
     n_predict = f["n_predict"]
-    if f["per_category"] is not None:
-        if f["per_category"] < 1:
-            raise MarsError(f"--per-category must be >= 1, got {f['per_category']}")
-        prompt_list = B.quick_subset(prompt_list, f["per_category"])
     if f["quick"]:
         prompt_list = B.quick_subset(prompt_list, 1)
         n_predict = min(n_predict, 16)
@@ -218,8 +213,6 @@ def _plan_sweep(f: dict):
     if given:
         raise MarsError(f"--clients runs a greedy serving sweep: {', '.join(given)} "
                         f"{'does' if len(given) == 1 else 'do'} not apply to it")
-    if f["requests"] < 1:
-        raise MarsError(f"--requests must be >= 1, got {f['requests']}")
     from ..server import check_installed
 
     check_installed()  # the sweep starts mars serve
@@ -252,9 +245,8 @@ def _plan_sweep(f: dict):
     return sweep, shlex.join(["mars", *ARGV])
 
 
-def _sweep_prompts(f: dict) -> list:
-    """The bench prompts --prompts/--categories/--per-category choose, as the sweep's requests:
-    a chat prompt's messages, a raw prompt as the user's turn."""
+def _chosen_prompts(f: dict) -> list:
+    """The bench prompts that --prompts, --categories and --per-category choose."""
     from .. import bench as B
 
     prompt_list = B.load_prompts(f["prompts"], _split(f["categories"]) or None)
@@ -262,6 +254,13 @@ def _sweep_prompts(f: dict) -> list:
         if f["per_category"] < 1:
             raise MarsError(f"--per-category must be >= 1, got {f['per_category']}")
         prompt_list = B.quick_subset(prompt_list, f["per_category"])
+    return prompt_list
+
+
+def _sweep_prompts(f: dict) -> list:
+    """The chosen bench prompts (:func:`_chosen_prompts`) as the sweep's requests: a chat
+    prompt's messages, a raw prompt as the user's turn."""
+    prompt_list = _chosen_prompts(f)
     if not prompt_list:
         raise MarsError("no prompts left for the sweep")
     return [list(map(dict, p.messages)) if p.messages else p.text for p in prompt_list]

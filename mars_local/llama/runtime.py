@@ -12,8 +12,8 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
