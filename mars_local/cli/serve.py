@@ -94,6 +94,16 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
     settings = ServerSettings(cfg, model_id, aliases, api_key, queue, log=not quiet, info=info,
                               cors=origins, host=host, allowed_hosts=hosts, parallel=parallel)
     app = create_app(eng, settings)
+    worker = app.state.server.worker
+    try:  # listen once the generation thread takes requests (it may time the target first)
+        while not worker.ready.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        worker.stop(timeout=30.0)  # never free the models under the thread's forwards
+        raise
+    if getattr(worker, "warm_up_s", 0.0):
+        echo(f"mars serve: timed the target's batched forwards once on this machine ({worker.warm_up_s:.1f} s; "
+             "later starts reuse them)", err=True)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
 

@@ -139,7 +139,8 @@ class _Server:
         if settings.parallel > 1:
             from .batch_worker import BatchWorker
 
-            self.worker = BatchWorker(engine, settings.queue_size, settings.parallel, on_done=self._done)
+            self.worker = BatchWorker(engine, settings.queue_size, settings.parallel, on_done=self._done,
+                                      defaults=settings.defaults)
         else:
             self.worker = Worker(engine, settings.queue_size, on_done=self._done)
         self.names = {settings.model_id, *settings.aliases}

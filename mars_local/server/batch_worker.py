@@ -28,9 +28,11 @@ __all__ = ["BatchWorker"]
 class BatchWorker(Worker):
     """The generation thread over one engine, ``parallel`` sequences at a time."""
 
-    def __init__(self, engine, queue_size: int, parallel: int, on_done=None):
+    def __init__(self, engine, queue_size: int, parallel: int, on_done=None, defaults=None):
         self.sched = Scheduler(engine, parallel)
         self.parallel = parallel
+        self.defaults = defaults  # the requests' default settings (what the warm-up times for)
+        self.warm_up_s = 0.0  # seconds the thread spent timing the target before it took requests
         self.active: dict[Job, object] = {}  # job -> its BatchStream
         super().__init__(engine, queue_size, on_done)
 
@@ -48,6 +50,13 @@ class BatchWorker(Worker):
 
     # ------------------------------------------------------------ the thread
     def _serve(self) -> None:
+        try:  # on this thread, as every llama.cpp call (llama/runtime.py: one OpenMP pool)
+            self.warm_up_s = self.sched.warm_up(self.defaults)
+        except Exception as exc:  # noqa: BLE001 - then the first request times it, as before
+            print(f"mars serve: timing the target before the first request failed ({type(exc).__name__}: {exc}); "
+                  "the first request will time it", file=sys.stderr)
+        finally:
+            self.ready.set()
         stopping = False
         while not (stopping and not self.active):
             stopping = self._admit() or stopping

@@ -103,6 +103,9 @@ class Worker:
         self._on_done = on_done
         self.running: Job | None = None
         self._stopping = threading.Event()
+        # set by the thread once it takes requests (a BatchWorker times the target first):
+        # `mars serve` listens only then
+        self.ready = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="mars-generate", daemon=True)
         self._thread.start()
 
@@ -142,6 +145,7 @@ class Worker:
 
     # ------------------------------------------------------------ the thread
     def _serve(self) -> None:
+        self.ready.set()
         while (job := self._q.get()) is not None:
             self.running = job
             if self._stopping.is_set():  # stop() may have missed it between get() and here

@@ -63,6 +63,10 @@ from .grammar import GrammarState
 __all__ = ["Scheduler", "BatchStream"]  # BatchStream: speculate/batch_stream.py
 
 CALIBRATION_ROWS = (1, 4, 16, 64)
+# Scheduler.warm_up times its forwards on top of (at most) this many tokens of this text
+WARM_UP_TEXT = ("The history of the printing press begins in the fifteenth century, when movable type "
+                "changed how books were made, sold and read across Europe.")
+WARM_UP_TOKENS = 32
 # the controllers are saved at most this often while sequences finish (Scheduler._save_learned)
 SAVE_EVERY_S = 10.0
 # a catch-up rate kept by an earlier process weighs this many tokens of catch-up here
@@ -311,34 +315,68 @@ class Scheduler:
             if m > s.dview.n_past:
                 self.dmc.copy_prefix(best, s.dview.seq_id, m)
 
-    def _calibrate(self, s: _Seq) -> None:
-        """Time forwards of a few row counts once, on top of a live sequence's cells
-        (rolled back after each): the round's choice needs the cost curve.  Row counts an
-        earlier process timed (:meth:`_load_learned`) are not timed again: on the F16 stand-in
-        the four took 3.6 s of a server's first request."""
-        for rows in (r for r in CALIBRATION_ROWS if r <= self.mc.max_rows and not self.cost.timed(r)):
-            if not self._time_windows([s], rows, CALIBRATION_WEIGHT):
+    def _calibrate(self, view, last: int) -> None:
+        """Time forwards of a few row counts once, on top of a sequence's cells (``view``, whose
+        last token is ``last``; rolled back after each): the round's choice needs the cost
+        curve.  Row counts an earlier process timed (:meth:`_load_learned`) are not timed
+        again: on the F16 stand-in the four took 3.6 s of a server's first request."""
+        for rows in self._untimed():
+            if not self._time_views([(view, last)], rows, CALIBRATION_WEIGHT):
                 break
         self.calibrated = True
+
+    def _untimed(self) -> list[int]:
+        """The calibration's row counts not timed yet (here, or by an earlier process)."""
+        return [r for r in CALIBRATION_ROWS if r <= self.mc.max_rows and not self.cost.timed(r)]
 
     def _time_windows(self, seqs: list[_Seq], w: int, weight: float, times: int = 2) -> bool:
         """Time a forward of a window of ``w`` rows on top of each of ``seqs``' cells (each
         sequence's last token repeated; rolled back after each forward): a round's shape.  The
         first forward of a shape builds its graph (BatchCost.observe weighs it).  False where a
         context has no room for it."""
-        if any(s.view.n_past + w >= s.view.n_ctx for s in seqs):
+        return self._time_views([(s.view, s.run.tokens[-1]) for s in seqs], w, weight, times)
+
+    def _time_views(self, views: list, w: int, weight: float, times: int = 2) -> bool:
+        """:meth:`_time_windows` over (SeqView, last token) pairs."""
+        if any(v.n_past + w >= v.n_ctx for v, _ in views):
             return False
-        bases = [(s, s.view.n_past, list(s.view.tokens)) for s in seqs]
-        windows = [(s.view.seq_id, [s.run.tokens[-1]] * w) for s in seqs]
+        bases = [(v, v.n_past, list(v.tokens)) for v, _ in views]
+        windows = [(v.seq_id, [last] * w) for v, last in views]
         for _ in range(times):
             t0 = time.perf_counter()
             self.mc.decode_windows(windows)
-            self.cost.observe(len(seqs) * w, time.perf_counter() - t0, weight)
-            for s, base, _ in bases:
-                s.view.truncate(base)
-        for s, _, held in bases:
-            s.view.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
+            self.cost.observe(len(views) * w, time.perf_counter() - t0, weight)
+            for v, base, _ in bases:
+                v.truncate(base)
+        for v, _, held in bases:
+            v.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
         return True
+
+    def warm_up(self, config: GenerateConfig | None = None) -> float:
+        """Time the target's forwards once before any request, where the first round that
+        plans a draft length would do it inside a request (:meth:`_calibrate`): the first
+        request of a server that is new on this machine then does not wait for it (2.7 s of
+        its time to the first token on the Q4_K_M stand-in at 4 sequences, BENCHMARKS.md run
+        35).  ``config``: the requests' default settings (the controller they get).  The forwards
+        run on top of a short text in a free sequence slot, which is then emptied, so every
+        sequence still starts as a lone run does.  Returns the seconds spent (0 where nothing
+        needed timing: no draft-length controller, lone windows timed here before, a
+        recurrent target, or requests already live).  Call it from the thread that decodes."""
+        if self.calibrated or self._live or self.eng.target.recurrent:
+            return 0.0
+        ctrl = self.eng._controller(config if config is not None else GenerateConfig.make())
+        if ctrl is None or ctrl.target_costs(1) is not None or not self._untimed():
+            self.calibrated = ctrl is not None  # (as the first round would decide)
+            return 0.0
+        t0 = time.perf_counter()
+        view = self.mc.seq(self._free[0])
+        text = self.eng._prompt_tokens(WARM_UP_TEXT)[:WARM_UP_TOKENS]
+        try:
+            view.eval(text, n_out=0)
+            self._calibrate(view, text[-1])
+        finally:
+            view.clear()
+        return time.perf_counter() - t0
 
     def _probe_switch(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
         """The round's plan (:meth:`_plan_costly`), its drafting shape timed first where a switch
@@ -407,7 +445,7 @@ class Scheduler:
         prior = next((s.run.ctrl for s in seqs if s.run.ctrl is not None), None)
         if not self.calibrated and prior is not None:
             if prior.target_costs(1) is None:  # no lone windows timed yet on this machine
-                self._calibrate(seqs[0])
+                self._calibrate(seqs[0].view, seqs[0].run.tokens[-1])
             self.calibrated = True
         # every window within the model's exact bound; a round of more rows than that takes
         # several decodes (a GPU's 16), the plan knowing their cost (BatchCost.split_rows)
@@ -638,7 +676,7 @@ class Scheduler:
         it instead of trying drafting to find it out.  At most every SAVE_EVERY_S seconds while
         sequences finish, and on close."""
         self._saved_at = time.perf_counter()
-        if self.rounds:
+        if self.rounds or self.calibrated:  # (calibrated: warm_up timed forwards, maybe before any round)
             self.eng.controllers.keep_batch_state({"cost": self.cost.export_state(), "mode": self.mode.export_state(),
                                                    "catch": list(self._catch)})
         self.eng.controllers.save()

@@ -111,3 +111,28 @@ def test_a_full_queue_is_503_and_a_bad_request_only_fails_itself(engine):
     assert full.status == 503 and full.code == "queue_full"
     assert k1 == "error" and isinstance(v1, ApiError) and v1.status == 400 and v1.code == "context_length_exceeded"
     assert k2 == "done" and len(t2) == 4
+
+
+def test_the_thread_times_the_target_before_it_takes_requests(tiny_target, tiny_draft, monkeypatch):
+    """A new server's first request waited for the scheduler's calibration; the generation
+    thread now does it first, on itself (one OpenMP pool: llama/runtime.py), and says it is
+    ready only after (`mars serve` listens then)."""
+    import threading
+
+    from mars_local.speculate.batched import Scheduler
+
+    seen = []
+    real = Scheduler.warm_up
+
+    def spy(self, config=None):
+        seen.append((threading.current_thread().name, config))
+        return real(self, config)
+
+    monkeypatch.setattr(Scheduler, "warm_up", spy)
+    with Engine(tiny_target, tiny_draft, drafter="model", n_ctx=256, n_threads=2, learned=False) as eng:
+        w = BatchWorker(eng, queue_size=4, parallel=2, defaults=D)
+        try:
+            assert w.ready.wait(60)
+            assert seen == [("mars-generate", D)] and w.warm_up_s > 0 and w.sched.calibrated
+        finally:
+            assert w.stop(30)

@@ -101,3 +101,18 @@ def test_mars_serve_drafts_with_an_eagle3_head_for_concurrent_clients(tiny_dir):
     model = make_tiny_llama(tiny_dir / "eagle-serve-target.gguf", seed=11, n_layer=3, block_scale=0.05)
     head = make_tiny_eagle3(tiny_dir / "eagle3-serve-head.gguf", seed=11)
     _served_greedy_answers(model, "eagle3", "-md", head)
+
+
+def test_a_new_server_times_the_target_before_it_listens_and_a_restarted_one_does_not(tiny_target, tiny_draft,
+                                                                                       tmp_path):
+    """The batched forwards' calibration happens before the ready line (not in the first
+    request), is said once, and is kept for the next start on this machine."""
+    env = {"MARS_STATE_DIR": str(tmp_path)}
+    args = ("-m", tiny_target, "-md", tiny_draft, "--parallel", "2", "--temp", "0")
+    for first in (True, False):
+        with LiveServer.start(*args, env=env) as s:
+            said = [i for i, line in enumerate(s.lines) if "timed the target's batched forwards once" in line]
+            ready = next(i for i, line in enumerate(s.lines) if "2 requests at once" in line)
+            assert (said and said[0] < ready) if first else not said, s.lines
+            r = httpx.post(s.base + "/v1/completions", json={"prompt": "the fox", "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -1164,16 +1164,63 @@ def test_calibration_times_only_the_row_counts_not_kept_from_an_earlier_process(
     timed = []
     try:
         sched.cost.import_state({"time": {"1": [0.01, 1.0], "4": [0.02, 1.0], "16": [0.05, 1.0]}})
-        probe = sched._time_windows
-        sched._time_windows = lambda seqs, w, weight, times=2: (timed.append(w), probe(seqs, w, weight, times))[1]
+        probe = sched._time_views
+        sched._time_views = lambda views, w, weight, times=2: (timed.append(w), probe(views, w, weight, times))[1]
         sched.submit(PROMPTS[0], max_tokens=4, temperature=0, ignore_eos=True)
         while sched.step():
             if sched._live:
-                sched._calibrate(next(iter(sched._live.values())))
+                s = next(iter(sched._live.values()))
+                sched._calibrate(s.view, s.run.tokens[-1])
                 break
     finally:
         sched.close()
     assert timed == [64] and sched.cost.timed(64)
+
+
+def test_warm_up_times_the_forwards_before_any_request_and_keeps_them(tiny_target, tiny_draft, tmp_path):
+    """A new server's first request waited for the calibration (2.7 s of its time to the first
+    token on the Q4_K_M stand-in at 4 sequences): warm_up times the same forwards before any
+    request, in a slot it empties again, so that no round times them, every sequence stays
+    exact, and a restarted scheduler (even one whose predecessor ran no round) finds them kept."""
+    from mars_local.speculate.batched import CALIBRATION_ROWS
+    from mars_local.speculate.learned import LearnedStore
+
+    path = tmp_path / "learned.json"
+    opts = dict(drafter="model", n_ctx=256, n_threads=2)
+    for run in range(2):
+        with Engine(tiny_target, tiny_draft, learned=LearnedStore(path), **opts) as eng:
+            want = [plain(eng, p, 10) for p in PROMPTS[:3]]  # (draft_max=0: no controller, nothing timed)
+            sched = Scheduler(eng, 3)
+            calls = []
+            try:
+                spent = sched.warm_up()
+                rows = [r for r in CALIBRATION_ROWS if r <= sched.mc.max_rows]
+                assert sched.calibrated and all(sched.cost.timed(r) for r in rows)
+                assert (spent > 0) == (run == 0)  # the second scheduler starts from the first's
+                assert [sched.mc.seq(i).n_past for i in range(3)] == [0, 0, 0]
+                assert sched.warm_up() == 0.0
+                if run == 1:  # (the first closes without a round: what it timed is kept all the same)
+                    real = sched._calibrate
+                    sched._calibrate = lambda *a: (calls.append(a), real(*a))
+                    outs = sched.generate_many(PROMPTS[:3], max_tokens=10, temperature=0, ignore_eos=True,
+                                               verify="strict")
+                    assert [o.tokens for o in outs] == want and calls == []
+            finally:
+                sched.close()
+    with Engine(tiny_target, tiny_draft, learned=False, **opts) as eng:
+        sched = Scheduler(eng, 2)
+        try:  # timed and used in one process: exact
+            assert sched.warm_up() > 0
+            outs = sched.generate_many(PROMPTS[3:5], max_tokens=10, temperature=0, ignore_eos=True, verify="strict")
+            assert [o.tokens for o in outs] == [plain(eng, p, 10) for p in PROMPTS[3:5]]
+        finally:
+            sched.close()
+    with Engine(tiny_target, drafter="none", n_ctx=256, n_threads=2, learned=False) as eng:
+        sched = Scheduler(eng, 2)
+        try:  # no draft-length controller: nothing to plan, nothing timed
+            assert sched.warm_up() == 0.0 and not sched.calibrated and not sched.cost.timed(1)
+        finally:
+            sched.close()
 
 
 @pytest.mark.parametrize("together", [False, True])
