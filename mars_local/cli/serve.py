@@ -101,7 +101,7 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
     except KeyboardInterrupt:
         worker.stop(timeout=30.0)  # never free the models under the thread's forwards
         raise
-    if getattr(worker, "warm_up_s", 0.0):
+    if worker.warm_up_s:
         echo(f"mars serve: timed the target's batched forwards once on this machine ({worker.warm_up_s:.1f} s; "
              "later starts reuse them)", err=True)
     bound_host, bound_port = sock.getsockname()[:2]

@@ -32,7 +32,6 @@ class BatchWorker(Worker):
         self.sched = Scheduler(engine, parallel)
         self.parallel = parallel
         self.defaults = defaults  # the requests' default settings (what the warm-up times for)
-        self.warm_up_s = 0.0  # seconds the thread spent timing the target before it took requests
         self.active: dict[Job, object] = {}  # job -> its BatchStream
         super().__init__(engine, queue_size, on_done)
 

@@ -106,6 +106,7 @@ class Worker:
         # set by the thread once it takes requests (a BatchWorker times the target first):
         # `mars serve` listens only then
         self.ready = threading.Event()
+        self.warm_up_s = 0.0  # seconds the thread spent timing the target before that (BatchWorker)
         self._thread = threading.Thread(target=self._serve, name="mars-generate", daemon=True)
         self._thread.start()
 

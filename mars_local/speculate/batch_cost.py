@@ -177,6 +177,10 @@ class BatchCost:
         """Whether a forward of ``rows`` rows was timed here (a calibration's counts too)."""
         return self._time.get(rows, (0.0, 0.0))[1] > 0.05
 
+    def observed(self) -> bool:
+        """Whether this process timed any forward (an imported state alone is not)."""
+        return bool(self._warm)
+
     def export_state(self) -> dict:
         """The forwards timed, as JSON-able data (kept between processes: :class:`.Scheduler`).
         The draft's cost is not: one learned elsewhere is a prior the plan must not take for a

@@ -676,7 +676,7 @@ class Scheduler:
         it instead of trying drafting to find it out.  At most every SAVE_EVERY_S seconds while
         sequences finish, and on close."""
         self._saved_at = time.perf_counter()
-        if self.rounds or self.calibrated:  # (calibrated: warm_up timed forwards, maybe before any round)
+        if self.rounds or self.cost.observed():  # (warm_up may have timed forwards before any round)
             self.eng.controllers.keep_batch_state({"cost": self.cost.export_state(), "mode": self.mode.export_state(),
                                                    "catch": list(self._catch)})
         self.eng.controllers.save()

@@ -1223,6 +1223,37 @@ def test_warm_up_times_the_forwards_before_any_request_and_keeps_them(tiny_targe
             sched.close()
 
 
+def test_a_scheduler_that_timed_nothing_and_ran_no_round_leaves_the_kept_state_as_it_was(tiny_target, tiny_draft,
+                                                                                         tmp_path):
+    """A server started and stopped without a request, whose warm-up found every shape kept,
+    must not write the state back: the imported shapes (capped at a few forwards' weight) would
+    replace what was measured, and the rates `mars doctor` shows would be lost."""
+    from mars_local.speculate.learned import LearnedStore
+
+    path = tmp_path / "learned.json"
+    opts = dict(drafter="model", n_ctx=256, n_threads=2)
+
+    def kept():
+        return [v for k, v in LearnedStore(path).entries().items() if k.startswith("batch|")]
+
+    with Engine(tiny_target, tiny_draft, learned=LearnedStore(path), **opts) as eng:
+        sched = Scheduler(eng, 2)
+        try:
+            sched.warm_up()
+            sched.generate_many(PROMPTS[:2], max_tokens=8, temperature=0, ignore_eos=True, verify="strict")
+        finally:
+            sched.close()
+    before = kept()
+    assert len(before) == 1 and before[0]["mode"]["rates"]
+    with Engine(tiny_target, tiny_draft, learned=LearnedStore(path), **opts) as eng:
+        sched = Scheduler(eng, 2)
+        try:
+            assert sched.warm_up() == 0.0 and sched.calibrated and not sched.cost.observed()
+        finally:
+            sched.close()
+    assert kept() == before
+
+
 @pytest.mark.parametrize("together", [False, True])
 def test_a_new_prompt_takes_the_slot_holding_least_and_a_conversation_keeps_its_own(engines, together):
     """Slots keep what their last sequence held for the next request's prefix. A prompt that
