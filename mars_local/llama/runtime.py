@@ -112,21 +112,29 @@ def on_own_thread(fn: Callable[..., T], *args) -> T:
     the models, where another thread generates (``mars serve``: the repack probe at load), left that
     server's rounds ~1.8x slower on 2 cores for its whole life (K-quant stand-in, BENCHMARKS.md run
     34).  A thread that ends takes its pool with it.  Ctrl-C meanwhile waits for ``fn`` to end (its
-    model must not be freed under it), then is raised."""
+    model must not be freed under it), then is raised.  (The end is an Event of our own, not
+    Thread.join/is_alive: on Python 3.11 a KeyboardInterrupt inside join marks a thread that still
+    runs as ended.)"""
     box: dict = {}
+    ended = threading.Event()
 
     def run() -> None:
         try:
             box["value"] = fn(*args)
         except BaseException as exc:  # handed to the caller
             box["error"] = exc
+        finally:
+            ended.set()
 
-    t = threading.Thread(target=run, name="mars-compute", daemon=True)
-    t.start()
     interrupted = None
-    while t.is_alive():
+    try:
+        threading.Thread(target=run, name="mars-compute", daemon=True).start()
+        ended.wait()
+    except KeyboardInterrupt as exc:
+        interrupted = exc
+    while not ended.is_set():
         try:
-            t.join()
+            ended.wait()
         except KeyboardInterrupt as exc:  # let fn finish with what it uses, then stop
             interrupted = exc
     if interrupted is not None:

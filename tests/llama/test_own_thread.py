@@ -52,3 +52,27 @@ m.close()
     assert after_probe == before
     if gomp:  # ggml built with OpenMP (Linux, gcc: `make install`'s build)
         assert after_here > before, "the control: a forward on this thread leaves libgomp's pool worker"
+
+
+def test_ctrl_c_meanwhile_waits_for_the_computation_then_is_raised():
+    """A Ctrl-C while the thread computes is raised only once ``fn`` has ended: its caller frees
+    the model ``fn`` uses (the repack probe's, on `mars serve`'s first start).  Waiting in
+    Thread.join was not enough: on Python 3.11 a KeyboardInterrupt there marks a running thread
+    as ended (its lock released from the outside), and a Ctrl-C during the probe crashed the
+    server (a segmentation fault: the model freed under the probe's forward)."""
+    import signal
+    import time
+
+    ended = []
+
+    def compute():
+        time.sleep(0.2)  # the caller is waiting by now
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        time.sleep(0.5)
+        ended.append(True)
+        return 1
+
+    assert threading.current_thread() is threading.main_thread()
+    with pytest.raises(KeyboardInterrupt):
+        on_own_thread(compute)
+    assert ended == [True]
