@@ -99,7 +99,7 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
         while not worker.ready.wait(0.2):
             pass
     except KeyboardInterrupt:
-        worker.stop(timeout=30.0)  # never free the models under the thread's forwards
+        _stop_worker(worker, sock)
         raise
     if worker.warm_up_s:
         echo(f"mars serve: timed the target's batched forwards once on this machine ({worker.warm_up_s:.1f} s; "
@@ -115,9 +115,13 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
             warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
 
     run_server(app, sock, ready)
-    # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too,
-    # and never free the models under a generation that is still running
-    if not app.state.server.worker.stop(timeout=30.0):
+    # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too
+    _stop_worker(worker, sock)
+
+
+def _stop_worker(worker, sock) -> None:
+    """End the generation thread; never free the models under a forward still running."""
+    if not worker.stop(timeout=30.0):
         echo("mars serve: a generation did not stop in time; exiting without freeing the models", err=True)
         sock.close()
         os._exit(130)

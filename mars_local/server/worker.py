@@ -107,7 +107,8 @@ class Worker:
         # `mars serve` listens only then
         self.ready = threading.Event()
         self.warm_up_s = 0.0  # seconds the thread spent timing the target before that (BatchWorker)
-        self._thread = threading.Thread(target=self._serve, name="mars-generate", daemon=True)
+        self._ended = threading.Event()  # the thread's end (stop() waits on it: see there)
+        self._thread = threading.Thread(target=self._main, name="mars-generate", daemon=True)
         self._thread.start()
 
     @property
@@ -141,8 +142,22 @@ class Worker:
                 job.cancel()
                 job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
         self._q.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        # Ctrl-C meanwhile (a second one while the server shuts down) does not cut the wait short:
+        # the caller frees the models next.  An Event of our own, not Thread.join/is_alive: on
+        # Python 3.11 a KeyboardInterrupt inside join marks a thread that still runs as ended.
+        deadline = time.monotonic() + timeout
+        while not self._ended.is_set() and (left := deadline - time.monotonic()) > 0:
+            try:
+                self._ended.wait(left)
+            except KeyboardInterrupt:
+                pass
+        return self._ended.is_set()
+
+    def _main(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._ended.set()
 
     # ------------------------------------------------------------ the thread
     def _serve(self) -> None:

@@ -136,3 +136,32 @@ def test_the_thread_times_the_target_before_it_takes_requests(tiny_target, tiny_
             assert seen == [("mars-generate", D)] and w.warm_up_s > 0 and w.sched.calibrated
         finally:
             assert w.stop(30)
+
+
+def test_ctrl_c_while_stopping_still_waits_for_the_thread_to_end():
+    """stop() is what keeps the models from being freed under a forward: a Ctrl-C while it waits
+    (a second one during shutdown) must neither end the wait early nor report an ended thread
+    that still runs (Thread.join on Python 3.11 did: it marks the thread ended)."""
+    import signal
+    import threading
+    import time
+
+    from mars_local.server.worker import Worker
+
+    class Slow(Worker):
+        def _serve(self):
+            self.ready.set()
+            self._q.get()
+            time.sleep(0.6)  # a forward finishing
+            self.finished = True
+
+    w = Slow(None, queue_size=2)
+    assert w.ready.wait(5)
+    threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    t0 = time.monotonic()
+    assert w.stop(timeout=10) is True
+    assert getattr(w, "finished", False) and time.monotonic() - t0 >= 0.5
+    stuck = Slow(None, queue_size=2)
+    assert stuck.ready.wait(5)
+    assert stuck.stop(timeout=0.1) is False  # still sleeping: not ended within the timeout
+    assert stuck.stop(timeout=5) is True
