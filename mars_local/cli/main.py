@@ -354,4 +354,7 @@ app.command()(cli_serve.serve)
 
 def main() -> None:
     """Console entry point (`mars`)."""
+    from ..core.interrupts import install
+
+    install()  # a Ctrl-C while llama.cpp logs (a model loading) is not lost
     app()

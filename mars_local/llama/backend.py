@@ -11,6 +11,8 @@ import collections
 import ctypes
 import threading
 
+from ..core.interrupts import CALLBACK_CODES
+
 try:  # pragma: no cover - exercised by the import itself
     import llama_cpp as _llama_pkg
     from llama_cpp import llama_cpp as C
@@ -27,13 +29,16 @@ LLAMA_CPP_PYTHON_VERSION = getattr(_llama_pkg, "__version__", "unknown")
 recent_log: collections.deque[str] = collections.deque(maxlen=40)
 
 
-@C.llama_log_callback
-def _log_callback(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - C calls it
+def _log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:  # pragma: no cover - C calls it
     try:
         msg = text.decode("utf-8", errors="replace")
     except Exception:
         return
     recent_log.append(msg)
+
+
+_log_callback = C.llama_log_callback(_log)
+CALLBACK_CODES.add(_log.__code__)  # a Ctrl-C landing here is delivered again (core/interrupts.py)
 
 
 # llama.cpp's log goes to recent_log (for error messages), not the terminal,

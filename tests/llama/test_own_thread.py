@@ -76,3 +76,41 @@ def test_ctrl_c_meanwhile_waits_for_the_computation_then_is_raised():
     with pytest.raises(KeyboardInterrupt):
         on_own_thread(compute)
     assert ended == [True]
+
+
+
+@pytest.mark.parametrize("handler", ["mars", "python"])
+def test_a_ctrl_c_that_lands_in_llama_cpps_log_callback_is_not_lost(tiny_target, handler):
+    """llama.cpp logs hundreds of lines while a model loads, each through a Python callback, and
+    ctypes prints and drops what a callback raises: with Python's own SIGINT handler a Ctrl-C
+    landing there is lost (`mars serve` went on to start: the control).  The CLI's handler
+    (core/interrupts.py) sends it again, raised once the main thread runs Python outside it."""
+    code = f"""
+import signal, time
+from mars_local.core import interrupts
+from mars_local.llama import backend
+from mars_local.llama.runtime import Model
+
+if {handler!r} == "mars":
+    interrupts.install()
+    assert signal.getsignal(signal.SIGINT) is interrupts.handle_sigint
+
+class CtrlC:  # the first line llama.cpp logs "receives" a Ctrl-C
+    sent = False
+
+    def append(self, line):
+        if not CtrlC.sent:
+            CtrlC.sent = True
+            signal.raise_signal(signal.SIGINT)
+
+backend.recent_log = CtrlC()
+try:
+    Model({str(tiny_target)!r}, 0, exact_kernels=True)
+    time.sleep(2)  # (Python runs again: a Ctrl-C not lost lands by now)
+    print("loaded", CtrlC.sent)
+except KeyboardInterrupt:
+    print("interrupted", CtrlC.sent)
+"""
+    r = run_python(code, timeout=120)
+    want = "interrupted True" if handler == "mars" else "loaded True"
+    assert r.stdout.strip().splitlines()[-1:] == [want], (r.stdout, r.stderr[-2000:])

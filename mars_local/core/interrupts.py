@@ -1,0 +1,61 @@
+"""Ctrl-C where Python cannot raise it: inside a function that C calls back.
+
+ctypes prints and drops what a callback raises.  llama.cpp logs hundreds of lines while a model
+loads, each through a Python callback (:mod:`mars_local.llama.backend`), so a Ctrl-C that Python's
+default handler raised there was lost, and e.g. `mars serve` went on to start.  The CLI's SIGINT
+handler (:func:`install`) raises KeyboardInterrupt as the default one does, except in such a
+callback: there it sends the signal again a moment later, from a short-lived thread, and it is
+raised once the main thread runs Python outside a callback.  Imports nothing of llama.cpp.
+"""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import threading
+import time
+
+__all__ = ["CALLBACK_CODES", "handle_sigint", "install"]
+
+# code objects of the Python functions C calls back (llama/backend.py adds its log callback's)
+CALLBACK_CODES: set = set()
+RESEND_AFTER_S = 0.01
+_resending = threading.Lock()  # one resending thread at a time
+
+
+def _in_callback(frame) -> bool:
+    while frame is not None:
+        if frame.f_code in CALLBACK_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _resend() -> None:
+    if not _resending.acquire(blocking=False):
+        return
+
+    def send() -> None:
+        try:
+            time.sleep(RESEND_AFTER_S)
+            _thread.interrupt_main()  # (runs this handler again, in the main thread)
+        finally:
+            _resending.release()
+
+    threading.Thread(target=send, name="mars-ctrl-c", daemon=True).start()
+
+
+def handle_sigint(signum, frame) -> None:
+    """KeyboardInterrupt, as Python's default handler, unless ``frame`` runs in a callback from C."""
+    if _in_callback(frame):
+        _resend()
+        return
+    raise KeyboardInterrupt
+
+
+def install() -> None:
+    """:func:`handle_sigint` for SIGINT, where Python's default handler is in place (an ignored
+    SIGINT, or another program's handler, stays as it is).  From the main thread only."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, handle_sigint)
