@@ -95,14 +95,13 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
                               cors=origins, host=host, allowed_hosts=hosts, parallel=parallel)
     app = create_app(eng, settings)
     worker = app.state.server.worker
-    try:  # listen once the generation thread takes requests (it may time the target first)
-        while not worker.ready.wait(0.2):
-            pass
+    try:  # the generation thread times the target (once per machine) before the server listens
+        spent = worker.warm_up()
     except KeyboardInterrupt:
         _stop_worker(worker, sock)
         raise
-    if worker.warm_up_s:
-        echo(f"mars serve: timed the target's batched forwards once on this machine ({worker.warm_up_s:.1f} s; "
+    if spent:
+        echo(f"mars serve: timed the target's batched forwards once on this machine ({spent:.1f} s; "
              "later starts reuse them)", err=True)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import sys
+import threading
 import time
 
 from ..chat.tokens import TokenizingCancelled
@@ -47,15 +48,27 @@ class BatchWorker(Worker):
             self.sched.close()
         return ok
 
+    def warm_up(self) -> float:
+        """Time the target's batched forwards on the generation thread before any request
+        (:meth:`Scheduler.warm_up`: once per machine and models); the seconds it took.  `mars
+        serve` calls it before it listens, so a new server's first request does not wait for it."""
+        ask = _WarmUp()
+        self._q.put(ask)
+        while not ask.ended.wait(0.5) and not self._ended.is_set():  # (a thread already stopped: 0)
+            pass
+        return ask.seconds
+
     # ------------------------------------------------------------ the thread
-    def _serve(self) -> None:
+    def _warm_up(self, ask: "_WarmUp") -> None:
         try:  # on this thread, as every llama.cpp call (llama/runtime.py: one OpenMP pool)
-            self.warm_up_s = self.sched.warm_up(self.defaults)
+            ask.seconds = self.sched.warm_up(self.defaults)
         except Exception as exc:  # noqa: BLE001 - then the first request times it, as before
             print(f"mars serve: timing the target before the first request failed ({type(exc).__name__}: {exc}); "
                   "the first request will time it", file=sys.stderr)
         finally:
-            self.ready.set()
+            ask.ended.set()
+
+    def _serve(self) -> None:
         stopping = False
         while not (stopping and not self.active):
             stopping = self._admit() or stopping
@@ -78,6 +91,9 @@ class BatchWorker(Worker):
                 return False
             if job is None:
                 return True
+            if isinstance(job, _WarmUp):
+                self._warm_up(job)
+                continue
             self._start(job)
         return False
 
@@ -136,3 +152,14 @@ class BatchWorker(Worker):
         if self.running is job:
             self.running = next(iter(self.active), None)
         self._done(job, outcome, final)
+
+
+class _WarmUp:
+    """:meth:`BatchWorker.warm_up` asking the thread, through the queue (the thread waits there)."""
+
+    def __init__(self):
+        self.ended = threading.Event()
+        self.seconds = 0.0
+
+    def cancel(self) -> None:  # stop() came first: nothing timed
+        self.ended.set()

@@ -103,10 +103,6 @@ class Worker:
         self._on_done = on_done
         self.running: Job | None = None
         self._stopping = threading.Event()
-        # set by the thread once it takes requests (a BatchWorker times the target first):
-        # `mars serve` listens only then
-        self.ready = threading.Event()
-        self.warm_up_s = 0.0  # seconds the thread spent timing the target before that (BatchWorker)
         self._ended = threading.Event()  # the thread's end (stop() waits on it: see there)
         self._thread = threading.Thread(target=self._main, name="mars-generate", daemon=True)
         self._thread.start()
@@ -119,6 +115,11 @@ class Worker:
     def n_running(self) -> int:
         """Requests on the engine now (0 or 1 here)."""
         return 0 if self.running is None else 1
+
+    def warm_up(self) -> float:
+        """Nothing to time before the first request here (a lone engine times its verify windows
+        once, after a request's first token): 0 seconds.  See :meth:`BatchWorker.warm_up`."""
+        return 0.0
 
     def submit(self, job: Job) -> None:
         try:
@@ -140,7 +141,8 @@ class Worker:
                 break
             if job is not None:
                 job.cancel()
-                job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
+                if isinstance(job, Job):  # (not a BatchWorker's warm-up)
+                    job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
         self._q.put(None)
         # Ctrl-C meanwhile (a second one while the server shuts down) does not cut the wait short:
         # the caller frees the models next.  An Event of our own, not Thread.join/is_alive: on
@@ -161,7 +163,6 @@ class Worker:
 
     # ------------------------------------------------------------ the thread
     def _serve(self) -> None:
-        self.ready.set()
         while (job := self._q.get()) is not None:
             self.running = job
             if self._stopping.is_set():  # stop() may have missed it between get() and here
