@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-__all__ = ["CALLBACK_CODES", "handle_sigint", "install"]
+__all__ = ["CALLBACK_CODES", "handle_sigint", "install", "wait_through"]
 
 # code objects of the Python functions C calls back (llama/backend.py adds its log callback's)
 CALLBACK_CODES: set = set()
@@ -59,3 +59,22 @@ def install() -> None:
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, handle_sigint)
+
+
+def wait_through(event: threading.Event, timeout: float | None = None) -> KeyboardInterrupt | None:
+    """Wait until ``event`` is set (at most ``timeout`` seconds), a Ctrl-C meanwhile not cutting the
+    wait short: the last one received is returned (None: none) for the caller to raise once what
+    it waited for has ended (e.g. a thread still computing with a model the caller would free).
+    An Event, not Thread.join/is_alive: on Python 3.11 a KeyboardInterrupt inside join marks a
+    thread that still runs as ended."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    interrupted = None
+    while not event.is_set():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            break
+        try:
+            event.wait(left)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    return interrupted

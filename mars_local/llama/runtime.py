@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from ..core.defaults import SETTINGS
 from ..core.errors import MarsError
+from ..core.interrupts import wait_through
 from .backend import C, LLAMA_CPP_PYTHON_VERSION, init_backend
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
@@ -112,9 +113,7 @@ def on_own_thread(fn: Callable[..., T], *args) -> T:
     the models, where another thread generates (``mars serve``: the repack probe at load), left that
     server's rounds ~1.8x slower on 2 cores for its whole life (K-quant stand-in, BENCHMARKS.md run
     34).  A thread that ends takes its pool with it.  Ctrl-C meanwhile waits for ``fn`` to end (its
-    model must not be freed under it), then is raised.  (The end is an Event of our own, not
-    Thread.join/is_alive: on Python 3.11 a KeyboardInterrupt inside join marks a thread that still
-    runs as ended.)"""
+    model must not be freed under it), then is raised (:func:`~mars_local.core.interrupts.wait_through`)."""
     box: dict = {}
     ended = threading.Event()
 
@@ -126,17 +125,12 @@ def on_own_thread(fn: Callable[..., T], *args) -> T:
         finally:
             ended.set()
 
-    interrupted = None
+    early = None
     try:
         threading.Thread(target=run, name="mars-compute", daemon=True).start()
-        ended.wait()
     except KeyboardInterrupt as exc:
-        interrupted = exc
-    while not ended.is_set():
-        try:
-            ended.wait()
-        except KeyboardInterrupt as exc:  # let fn finish with what it uses, then stop
-            interrupted = exc
+        early = exc
+    interrupted = wait_through(ended) or early  # let fn finish with what it uses, then stop
     if interrupted is not None:
         raise interrupted
     if "error" in box:

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from ..chat.tokens import PromptTooLong, TokenizingCancelled
 from ..core.errors import MarsError
+from ..core.interrupts import wait_through
 from .requests import ApiError, Request
 
 __all__ = ["Job", "Worker"]
@@ -144,15 +145,9 @@ class Worker:
                 if isinstance(job, Job):  # (not a BatchWorker's warm-up)
                     job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
         self._q.put(None)
-        # Ctrl-C meanwhile (a second one while the server shuts down) does not cut the wait short:
-        # the caller frees the models next.  An Event of our own, not Thread.join/is_alive: on
-        # Python 3.11 a KeyboardInterrupt inside join marks a thread that still runs as ended.
-        deadline = time.monotonic() + timeout
-        while not self._ended.is_set() and (left := deadline - time.monotonic()) > 0:
-            try:
-                self._ended.wait(left)
-            except KeyboardInterrupt:
-                pass
+        # a Ctrl-C meanwhile (a second one while the server shuts down) does not cut the wait
+        # short: the caller frees the models next
+        wait_through(self._ended, timeout)
         return self._ended.is_set()
 
     def _main(self) -> None:
