@@ -103,6 +103,9 @@ def build_fingerprint() -> str:
 T = TypeVar("T")
 
 
+START_GRACE_S = 2.0  # how long a thread that Thread.start may have started gets to begin
+
+
 def on_own_thread(fn: Callable[..., T], *args) -> T:
     """``fn(*args)`` computed on a new thread that ends with it; its result, or its exception.
 
@@ -115,22 +118,34 @@ def on_own_thread(fn: Callable[..., T], *args) -> T:
     34).  A thread that ends takes its pool with it.  Ctrl-C meanwhile waits for ``fn`` to end (its
     model must not be freed under it), then is raised (:func:`~mars_local.core.interrupts.wait_through`)."""
     box: dict = {}
-    ended = threading.Event()
+    ended, began = threading.Event(), threading.Event()
+    gate = threading.Lock()  # fn begins, or the caller gives it up: one of the two, never both
 
     def run() -> None:
         try:
+            with gate:
+                if box.get("abandoned"):
+                    return
+                began.set()
             box["value"] = fn(*args)
         except BaseException as exc:  # handed to the caller
             box["error"] = exc
         finally:
             ended.set()
 
-    early = None
     try:
         threading.Thread(target=run, name="mars-compute", daemon=True).start()
-    except KeyboardInterrupt as exc:
-        early = exc
-    interrupted = wait_through(ended) or early  # let fn finish with what it uses, then stop
+    except KeyboardInterrupt as early:
+        # Ctrl-C inside Thread.start: the thread may or may not have been started.  One that
+        # was begins at once; one that was not never will, and must not be waited for.
+        wait_through(began, START_GRACE_S)
+        with gate:
+            if not began.is_set():
+                box["abandoned"] = True
+                raise early from None
+        wait_through(ended)
+        raise early from None
+    interrupted = wait_through(ended)  # let fn finish with what it uses, then stop
     if interrupted is not None:
         raise interrupted
     if "error" in box:

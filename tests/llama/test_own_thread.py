@@ -79,6 +79,47 @@ def test_ctrl_c_meanwhile_waits_for_the_computation_then_is_raised():
 
 
 
+@pytest.mark.parametrize("when", ["before", "after", "late"])
+def test_a_ctrl_c_inside_thread_start_neither_hangs_nor_frees_what_fn_uses(monkeypatch, when):
+    """Ctrl-C inside Thread.start: "before" the thread was started (it never will be), "after"
+    (it runs), or "late" (started but slower to begin than the caller waits).  The caller must
+    not wait forever for a thread that never runs, must not return while ``fn`` runs, and a
+    thread that begins after the caller gave up must not call ``fn`` (its model may be freed)."""
+    import time
+
+    from mars_local.llama import runtime
+
+    monkeypatch.setattr(runtime, "START_GRACE_S", 0.2, raising=False)
+    calls, ended = [], []
+    real_start = threading.Thread.start
+
+    class Interrupted(threading.Thread):
+        def start(self):
+            if when == "after":
+                real_start(self)
+            elif when == "late":
+                threading.Timer(0.6, real_start, (self,)).start()
+            raise KeyboardInterrupt
+
+    def compute():
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+        ended.append(time.monotonic())
+        return 1
+
+    monkeypatch.setattr(threading, "Thread", Interrupted)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        on_own_thread(compute)
+    raised = time.monotonic()
+    monkeypatch.undo()
+    time.sleep(0.8)  # the "late" thread has begun by now
+    if when == "after":
+        assert len(calls) == 1 and ended and ended[0] <= raised
+    else:
+        assert calls == [] and raised - t0 < 1.0
+
+
 @pytest.mark.parametrize("handler", ["mars", "python"])
 def test_a_ctrl_c_that_lands_in_llama_cpps_log_callback_is_not_lost(tiny_target, handler):
     """llama.cpp logs hundreds of lines while a model loads, each through a Python callback, and
