@@ -418,6 +418,18 @@ class DraftOrNot:
         return pick
 
 
+def _gpu_free_memory() -> int | None:
+    """Bytes free on this machine's GPUs together (None: no GPU device known)."""
+    from ..llama.rpc import local_gpu_devices
+
+    try:
+        gpus = local_gpu_devices()
+    except Exception:  # noqa: BLE001 - (a build without the device API): the cap then
+        return None
+    free = sum(d.free for d in gpus)
+    return free if gpus and free > 0 else None
+
+
 def resolve_parallel(engine, parallel: int) -> int:
     """``--parallel`` as given (``mars batch``, ``mars serve``): 0 is :func:`auto_parallel`'s."""
     return auto_parallel(engine) if parallel == 0 else parallel
@@ -426,7 +438,9 @@ def resolve_parallel(engine, parallel: int) -> int:
 def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
     """The default --parallel: ``cap`` sequences (8: on a CPU a forward of 8 rows costs about
     3 single rows, and beyond 8 sequences the 64-row invariant bound leaves no room for
-    drafts), fewer when their KV caches (target and draft) would take over half the free memory."""
+    drafts), fewer when their KV caches (target and draft) would take over half the free memory:
+    the host's, or with the target's layers offloaded the GPUs' (after the models were loaded),
+    where the KV cache of those layers lives."""
     from ..llama.context import available_memory, kv_cache_bytes
 
     n_ctx_seq = n_ctx_seq or engine.n_ctx
@@ -441,7 +455,7 @@ def auto_parallel(engine, n_ctx_seq: int | None = None, cap: int = 8) -> int:
         from ..llama.recurrent import MAX_CHECKPOINTS, state_bytes
 
         per_seq += state_bytes(engine._ctx) * (1 + (engine.target.rollback_depth or 0) + MAX_CHECKPOINTS)
-    avail = None if engine.target.offloaded else available_memory()
+    avail = _gpu_free_memory() if engine.target.offloaded else available_memory()
     if avail is None or per_seq <= 0:
         return cap
     return max(1, min(cap, int(avail * 0.5 // per_seq)))

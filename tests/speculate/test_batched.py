@@ -1281,3 +1281,25 @@ def test_a_new_prompt_takes_the_slot_holding_least_and_a_conversation_keeps_its_
     assert got[convo].stats.n_prompt_evaluated <= got[convo].stats.n_prompt - len(conv)
     for p in (new, convo):
         assert got[p].tokens == plain(eng, list(p), 8)
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_auto_parallel_counts_the_memory_where_the_kv_cache_lives(tiny_target, tiny_draft, monkeypatch, offloaded):
+    """The default --parallel: 8 sequences, fewer where their KV caches would take over half the
+    free memory of the host, or with the target offloaded of the GPUs (the host's then says
+    nothing: an 8 GB card under a 64 GB host must not be given 8 caches)."""
+    from mars_local.llama import context, rpc
+    from mars_local.speculate import batch_cost
+
+    with Engine(tiny_target, draft=tiny_draft, n_ctx=256, n_threads=2, learned=False) as e:
+        per_seq = context.kv_cache_bytes(e.target, 256) + context.kv_cache_bytes(e.draft_model, 256)
+        monkeypatch.setattr(e.target, "offloaded", offloaded)
+        host, gpu = (2 * 3 * per_seq, 1 << 40) if not offloaded else (1 << 40, 2 * 3 * per_seq)
+        monkeypatch.setattr(context, "available_memory", lambda: host)
+        gpus = [rpc.Device(1, "CUDA0", "", "gpu", gpu // 2, 1 << 34),
+                rpc.Device(2, "CUDA1", "", "gpu", gpu - gpu // 2, 1 << 34),
+                rpc.Device(3, "RPC0", "h:1", "gpu", 1 << 40, 1 << 40)]  # (a remote server's: not here)
+        monkeypatch.setattr(rpc, "devices", lambda: gpus)
+        assert batch_cost.auto_parallel(e) == 3
+        monkeypatch.setattr(rpc, "devices", lambda: [])  # no device known: the cap
+        assert batch_cost.auto_parallel(e) == (8 if offloaded else 3)
