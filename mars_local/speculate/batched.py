@@ -468,16 +468,18 @@ class Scheduler:
         # a round DraftOrNot chose to draft verifies a draft: k = 0 would pay the draft (and a draft
         # model's catch-up) and leave drafting's rate unmeasured, so the same trial would come again
         k = self._choose_k(seqs, drafts, k_room, k_min=1 if drafting else 0)
-        self.last_k, self.last_rows = k, len(seqs) * (k + 1)
         windows = []
         for s, d in zip(seqs, drafts):
             toks = [s.run.tokens[-1]] + d.tokens[:k]
-            toks += [toks[-1]] * (k + 1 - len(toks))  # padding: computed, rolled back, never verified
+            # padding: computed, rolled back, never verified; never past the sequence's own
+            # context (its draft stays within it; another's longer one must not push it over)
+            toks += [toks[-1]] * (min(k + 1, s.view.n_ctx - s.view.n_past) - len(toks))
             windows.append((s.view.seq_id, toks))
+        self.last_k, self.last_rows = k, sum(len(w) for _, w in windows)
         t1 = clock()
         rows = self.mc.decode_windows(windows)
         t_target = clock() - t1
-        self.cost.observe(len(seqs) * (k + 1), t_target)
+        self.cost.observe(self.last_rows, t_target)
         for s, d, z in zip(seqs, drafts, rows):
             d = _cut(d, k)
             self._guard(s, lambda: self._finish_round(s, d, z, t_target / len(seqs), t_draft / len(seqs)))

@@ -1303,3 +1303,31 @@ def test_auto_parallel_counts_the_memory_where_the_kv_cache_lives(tiny_target, t
         assert batch_cost.auto_parallel(e) == 3
         monkeypatch.setattr(rpc, "devices", lambda: [])  # no device known: the cap
         assert batch_cost.auto_parallel(e) == (8 if offloaded else 3)
+
+
+def test_a_sequence_at_the_end_of_its_context_shares_a_round_with_long_drafts(tiny_target):
+    """A round pads every window to its k + 1 rows; a sequence with less room than that (its
+    own draft kept within it) must not be padded past its context: the whole round failed
+    ("the context is full") for every sequence sharing it.  Now it ends at its full context
+    with the tokens of a lone run, and the sequence drafting alongside goes on."""
+    from mars_local.speculate.drafters import Draft, Drafter
+
+    class Long(Drafter):  # always k tokens (mostly rejected: the round still has k + 1 rows)
+        def propose(self, tokens, k, extend=None):
+            return Draft([7] * k, None)
+
+    with Engine(tiny_target, drafter="ngram", n_ctx=256, n_threads=2, learned=False,
+                drafter_factory=lambda cfg, seed, controls: Long()) as eng:
+        assert eng.n_ctx == 256
+        long = eng.tokenize("the quick brown fox jumps over the lazy dog " * 40)[:256 - 6]
+        alone = eng.generate(long, max_tokens=-1, temperature=0, ignore_eos=True, draft_max=0)
+        assert alone.stats.stop_reason == "context"
+        sched = Scheduler(eng, 2)
+        a = sched.submit(long, max_tokens=-1, temperature=0, ignore_eos=True, draft_max=0)
+        b = sched.submit("item 1: and", max_tokens=24, temperature=0, ignore_eos=True, adaptive=False,
+                         draft_max=12, verify="strict")
+        while not (a.finished and b.finished):
+            sched.step()
+        ra, rb = a.result(), b.result()
+        assert ra.stats.stop_reason == "context" and ra.tokens == alone.tokens
+        assert rb.stats.n_drafted >= 12 and rb.tokens == plain(eng, "item 1: and", 24)
