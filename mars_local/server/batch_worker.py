@@ -129,6 +129,9 @@ class BatchWorker(Worker):
                         job.t_first = time.monotonic()
                         firsts.append(job)
                     job.emit("chunk", (chunk, self._pieces(chunk)))
+                if stream.finished:
+                    stream.take()  # (nothing left to read: raises the error it ended on, if any,
+                    # which the first take() held back while text held back came out with it)
             except MarsError as exc:
                 self._finish(job, "error", ("error", ApiError(500, str(exc), type="server_error")))
                 continue

@@ -166,3 +166,41 @@ def test_ctrl_c_while_stopping_still_waits_for_the_thread_to_end():
     stuck = Slow(None, queue_size=2)
     assert stuck.stop(timeout=0.1) is False  # still sleeping: not ended within the timeout
     assert stuck.stop(timeout=5) is True
+
+
+def test_a_request_that_fails_with_text_held_back_is_an_error_not_done(tiny_target, monkeypatch):
+    """A sequence that fails (here its drafter, at its third round) ends with the text held
+    back (a stop string's prefix, a split character) in a last chunk.  The worker read that
+    chunk, saw the stream finished and answered "done" (HTTP 200, finish_reason "stop"): the
+    error went unreported.  The request beside it is unaffected."""
+    from mars_local.core.config import Chunk
+    from mars_local.core.errors import MarsError
+    from mars_local.speculate.drafters import Drafter
+    from mars_local.speculate.run import Run
+
+    monkeypatch.setattr(Run, "tail", lambda self: Chunk([], "held", [], None))
+
+    class Failing(Drafter):
+        calls = 0
+
+        def propose(self, tokens, k, extend=None):
+            Failing.calls += 1
+            if Failing.calls == 3:
+                raise MarsError("the drafter failed")
+            return super().propose(tokens, k)
+
+    async def main(eng):
+        loop = asyncio.get_running_loop()
+        w = BatchWorker(eng, queue_size=4, parallel=2)
+        try:
+            jobs = [Job(parse_completion({"prompt": p, "max_tokens": 12, "ignore_eos": True}, D), loop)
+                    for p in PROMPTS[:1]]
+            w.submit(jobs[0])
+            return await collect(jobs[0])
+        finally:
+            assert w.stop(30)
+
+    with Engine(tiny_target, drafter="ngram", n_ctx=256, n_threads=2, learned=False,
+                drafter_factory=lambda cfg, seed, controls: Failing()) as eng:
+        toks, kind, value = asyncio.run(main(eng))
+    assert kind == "error" and isinstance(value, ApiError) and "the drafter failed" in str(value.body())
