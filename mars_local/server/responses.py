@@ -35,7 +35,11 @@ def speculative_usage(s: SpecStats) -> dict:
 
 
 def cached_tokens(s: SpecStats) -> int:
-    """Prompt tokens taken from the KV cache (the prompt's last token is always run, in the first window)."""
+    """Prompt tokens taken from the KV cache (the prompt's last token is always run, in the first
+    window); 0 where the prompt's evaluation never ended (a request cancelled or failed while
+    waiting or during its prefill: what it did not evaluate was not taken from a cache either)."""
+    if not s.time_prompt_target_s:  # (set as the target's prefill ends, in both engines)
+        return 0
     return max(s.n_prompt - 1 - s.n_prompt_evaluated, 0)
 
 

@@ -279,6 +279,8 @@ class Scheduler:
                 first = self._guard(s, lambda: s.view.eval(chunk + [s.run.tokens[-1]] if rides else chunk,
                                                            n_out=1 if rides else 0))
                 first = None if first is None else first.copy()
+                if s.done:  # (the chunk failed: the sequence ended with its error)
+                    break
                 r = self._prefill_rate
                 r[0], r[1] = 0.9 * r[0] + time.perf_counter() - t0, 0.9 * r[1] + len(chunk)
                 s.run.stats.n_prompt_evaluated += len(chunk)

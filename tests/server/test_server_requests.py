@@ -148,7 +148,7 @@ def test_completion_features_not_supported(field):
 
 # ---------------------------------------------------------------- responses
 def stats(**kw) -> SpecStats:
-    s = SpecStats(n_prompt=10, n_prompt_evaluated=4, stop_reason="eog")
+    s = SpecStats(n_prompt=10, n_prompt_evaluated=4, stop_reason="eog", time_prompt_target_s=0.05)
     s.record_round(4, 3, 1, 4)
     s.record_round(4, 0, 0, 1)
     for k, v in kw.items():
@@ -169,6 +169,10 @@ def test_usage_reports_the_speculation():
     assert u["speculative"] == {"drafted": 8, "accepted": 3, "relaxed": 1, "rounds": 2,
                                 "mean_accepted_length": 2.5, "acceptance_rate": 3 / 8}
     assert cached_tokens(stats(n_prompt_evaluated=9)) == 0
+    # a prompt whose evaluation never ended (cancelled while waiting for a slot, or mid-prefill):
+    # what it did not evaluate did not come from a cache (it counted 5 here, 9 if never started)
+    assert cached_tokens(stats(time_prompt_target_s=0.0)) == 0
+    assert cached_tokens(stats(time_prompt_target_s=0.0, n_prompt_evaluated=0)) == 0
 
 
 def test_chat_objects():

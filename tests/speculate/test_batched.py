@@ -1331,3 +1331,24 @@ def test_a_sequence_at_the_end_of_its_context_shares_a_round_with_long_drafts(ti
         ra, rb = a.result(), b.result()
         assert ra.stats.stop_reason == "context" and ra.tokens == alone.tokens
         assert rb.stats.n_drafted >= 12 and rb.tokens == plain(eng, "item 1: and", 24)
+
+
+def test_the_prompts_time_is_set_only_once_its_prefill_has_ended(engines):
+    """What the server's cached_tokens relies on: time_prompt_target_s stays 0 for a sequence
+    closed before its prompt was evaluated (waiting for a slot, or between chunks), and is set
+    for one whose prefill ended."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 1)
+    sched.mc.n_batch = 16  # (chunks of 16 rows: a 60-token prompt takes rounds)
+    long = eng.tokenize("the quick brown fox jumps over the lazy dog " * 6)[:60]
+    a = sched.submit(long, max_tokens=4, temperature=0, ignore_eos=True)
+    b = sched.submit("item 1: and", max_tokens=4, temperature=0, ignore_eos=True)  # waits for a's slot
+    sched.step()
+    assert 0 < a.stats.n_prompt_evaluated < 59 and a.stats.time_prompt_target_s == 0
+    a.close()
+    b.close()
+    sched.step()
+    assert a.finished and b.finished and a.stats.time_prompt_target_s == 0 == b.stats.time_prompt_target_s
+    c = sched.submit("item 2: and", max_tokens=4, temperature=0, ignore_eos=True)
+    c.result()
+    assert c.stats.time_prompt_target_s > 0 and c.stats.n_prompt_evaluated > 0
