@@ -115,6 +115,10 @@ class BatchWorker(Worker):
         except MarsError as exc:
             self._done(job, "rejected", ("error", ApiError(400, str(exc), param=exc.field)))
             return
+        except Exception as exc:  # noqa: BLE001 - this request fails, the thread goes on
+            print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            self._done(job, "error", ("error", ApiError(500, f"generation failed: {exc}", type="server_error")))
+            return
         job.stats = stream.stats
         job.emit("start", len(tokens))
         self.active[job] = stream
@@ -139,8 +143,7 @@ class BatchWorker(Worker):
                 print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 self._finish(job, "error", ("error", ApiError(500, f"generation failed: {exc}", type="server_error")))
                 continue
-            if job.cancelled:
-                stream.close()
+            if job.cancelled:  # (_finish cancels its sequence)
                 final = (("error", ApiError(503, "the server is shutting down", type="server_error"))
                          if self._stopping.is_set() else None)
                 self._finish(job, "cancelled", final)
@@ -149,12 +152,18 @@ class BatchWorker(Worker):
         Job.wait_sent(firsts)
 
     def _finish(self, job: Job, outcome: str, final) -> None:
+        """The job leaves: its sequence cancelled where it still runs, its last event sent.
+        Never raises (it runs in the loop's error paths too: the thread must go on)."""
         stream = self.active.pop(job, None)
-        if stream is not None and not stream.finished:
-            stream.close()
-        if self.running is job:
-            self.running = next(iter(self.active), None)
-        self._done(job, outcome, final)
+        try:
+            if stream is not None and not stream.finished:
+                stream.close()
+        except Exception as exc:  # noqa: BLE001 - e.g. its cells could not be removed: said, not fatal
+            print(f"mars serve: cancelling request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            if self.running is job:
+                self.running = next(iter(self.active), None)
+            self._done(job, outcome, final)
 
 
 class _WarmUp:

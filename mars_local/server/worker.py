@@ -133,8 +133,9 @@ class Worker:
         """Cancel what runs and waits, and end the thread; whether it ended within ``timeout``
         (a prompt being evaluated finishes first: the engine must not be freed before)."""
         self._stopping.set()
-        if self.running is not None:
-            self.running.cancel()
+        running = self.running  # (the thread may set it to None meanwhile)
+        if running is not None:
+            running.cancel()
         while True:
             try:
                 job = self._q.get_nowait()

@@ -194,21 +194,25 @@ class Scheduler:
             if not s.done:  # (cancelled while waiting)
                 joining.append(s)
         for s, slot, kept in self._match(joining):
-            prompt = s.run.tokens[:-1]
             self._free.remove(slot)
             s.view = self.mc.seq(slot)
-            s.view.truncate(kept)  # the prefix its previous sequence left, as far as it is exact
-            kept = s.view.n_past  # (a recurrent state may keep less: llama/recurrent.py)
-            self._prompt_len[slot] = len(prompt)
             s.dview = self.dmc.seq(slot) if self.dmc is not None else None
-            if s.dview is not None:  # the draft's numerics never change strict output: any common prefix
-                s.dview.truncate(common_prefix_len(s.dview.tokens, prompt))
-            s.run.drafter = self.eng._make_drafter(s.run.cfg, s.run.seed, s.run.controls)
-            if s.dview is not None and hasattr(s.run.drafter, "ctx"):
-                s.run.drafter.ctx = s.dview
-            s.pending = list(prompt[kept:])
             s.t_start = time.perf_counter()
-            self._live[slot] = s
+            self._live[slot] = s  # (from here on released as any live sequence: a failure below ends it only)
+            self._guard(s, lambda: self._join(s, slot, kept))
+
+    def _join(self, s: _Seq, slot: int, kept: int) -> None:
+        """A sequence takes its slot: the cells its prompt can keep, its drafter, its prompt to prefill."""
+        prompt = s.run.tokens[:-1]
+        s.view.truncate(kept)  # the prefix its previous sequence left, as far as it is exact
+        kept = s.view.n_past  # (a recurrent state may keep less: llama/recurrent.py)
+        self._prompt_len[slot] = len(prompt)
+        if s.dview is not None:  # the draft's numerics never change strict output: any common prefix
+            s.dview.truncate(common_prefix_len(s.dview.tokens, prompt))
+        s.run.drafter = self.eng._make_drafter(s.run.cfg, s.run.seed, s.run.controls)
+        if s.dview is not None and hasattr(s.run.drafter, "ctx"):
+            s.run.drafter.ctx = s.dview
+        s.pending = list(prompt[kept:])
 
     def _match(self, joining: list[_Seq]) -> list[tuple[_Seq, int, int]]:
         """A free slot for each joining sequence, and the prefix of its prompt the slot's cells

@@ -204,3 +204,51 @@ def test_a_request_that_fails_with_text_held_back_is_an_error_not_done(tiny_targ
                 drafter_factory=lambda cfg, seed, controls: Failing()) as eng:
         toks, kind, value = asyncio.run(main(eng))
     assert kind == "error" and isinstance(value, ApiError) and "the drafter failed" in str(value.body())
+
+
+@pytest.mark.parametrize("fault", ["submit", "cancel"])
+def test_an_unexpected_fault_in_one_request_leaves_the_thread_serving(engine, monkeypatch, fault):
+    """An exception no path expects, while a request starts (here Scheduler.submit) or while a
+    cancelled one is taken out (Scheduler._cancel): that request ends (an error, or its
+    cancellation), and the generation thread lives on to serve the next one.  The thread died
+    there, and every request after it waited forever."""
+    from mars_local.speculate.batched import Scheduler
+
+    real = getattr(Scheduler, "submit" if fault == "submit" else "_cancel")
+    calls = []
+
+    def faulty(self, *a, **kw):
+        calls.append(a)
+        if fault == "submit" and len(calls) > 1:
+            return real(self, *a, **kw)
+        if fault == "cancel":
+            real(self, *a, **kw)
+        raise RuntimeError("unexpected")
+
+    monkeypatch.setattr(Scheduler, "submit" if fault == "submit" else "_cancel", faulty)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = BatchWorker(engine, queue_size=8, parallel=2)
+        try:
+            first = Job(parse_completion({"prompt": "doomed", "max_tokens": 200, "ignore_eos": True}, D), loop)
+            w.submit(first)
+            if fault == "submit":
+                got = await collect(first)
+            else:
+                await asyncio.wait_for(first.events.get(), 30)  # "start"
+                await asyncio.wait_for(first.events.get(), 30)  # a first chunk
+                first.cancel()
+                got = None
+            after = Job(parse_completion({"prompt": PROMPTS[1], "max_tokens": 12, "ignore_eos": True}, D), loop)
+            w.submit(after)
+            return got, await collect(after, 30)
+        finally:
+            monkeypatch.undo()
+            assert w.stop(30)
+
+    got, after = asyncio.run(main())
+    if fault == "submit":
+        assert got[1] == "error" and "unexpected" in str(got[2].body())
+    assert after[1] == "done" and after[0] == engine.generate(PROMPTS[1], max_tokens=12, temperature=0, draft_max=0,
+                                                              ignore_eos=True).tokens

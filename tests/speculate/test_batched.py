@@ -1352,3 +1352,31 @@ def test_the_prompts_time_is_set_only_once_its_prefill_has_ended(engines):
     c = sched.submit("item 2: and", max_tokens=4, temperature=0, ignore_eos=True)
     c.result()
     assert c.stats.time_prompt_target_s > 0 and c.stats.n_prompt_evaluated > 0
+
+
+def test_a_sequence_that_fails_as_it_joins_ends_alone_and_frees_its_slot(tiny_target):
+    """Its drafter cannot be made (here: a factory that fails for some requests): that sequence
+    ends with the error, the others joining with it go on, and its slot is free again.  The
+    slot was taken before the failure and never given back, and the requests popped with it
+    were lost: after --parallel such failures nothing was admitted again."""
+    from mars_local.speculate.drafters import Drafter
+
+    def factory(cfg, seed, controls):
+        if cfg.max_tokens == 5:
+            raise MarsError("no drafter for you")
+        return Drafter()
+
+    with Engine(tiny_target, drafter="ngram", n_ctx=256, n_threads=2, learned=False,
+                drafter_factory=factory) as eng:
+        sched = Scheduler(eng, 2)
+        bad = [sched.submit(f"bad {i}", max_tokens=5, temperature=0) for i in range(3)]
+        good = [sched.submit(p, max_tokens=8, temperature=0, ignore_eos=True) for p in PROMPTS[:3]]
+        for _ in range(200):
+            if all(x.finished for x in bad + good):
+                break
+            sched.step()
+        for x in bad:
+            with pytest.raises(MarsError, match="no drafter"):
+                x.result()
+        assert [x.result().tokens for x in good] == [plain(eng, p, 8) for p in PROMPTS[:3]]
+        assert sorted(sched._free) == [0, 1] and not sched._live
