@@ -348,14 +348,17 @@ class Scheduler:
             return False
         bases = [(v, v.n_past, list(v.tokens)) for v, _ in views]
         windows = [(v.seq_id, [last] * w) for v, last in views]
-        for _ in range(times):
-            t0 = time.perf_counter()
-            self.mc.decode_windows(windows)
-            self.cost.observe(len(views) * w, time.perf_counter() - t0, weight)
-            for v, base, _ in bases:
+        try:
+            for _ in range(times):
+                t0 = time.perf_counter()
+                self.mc.decode_windows(windows)
+                self.cost.observe(len(views) * w, time.perf_counter() - t0, weight)
+                for v, base, _ in bases:
+                    v.truncate(base)
+        finally:  # (also where a decode failed after others had added their rows)
+            for v, base, held in bases:
                 v.truncate(base)
-        for v, _, held in bases:
-            v.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
+                v.sync(held)  # a recurrent target's state, dropped by a rollback it cannot make, again
         return True
 
     def warm_up(self, config: GenerateConfig | None = None) -> float:

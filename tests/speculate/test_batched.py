@@ -1380,3 +1380,27 @@ def test_a_sequence_that_fails_as_it_joins_ends_alone_and_frees_its_slot(tiny_ta
                 x.result()
         assert [x.result().tokens for x in good] == [plain(eng, p, 8) for p in PROMPTS[:3]]
         assert sorted(sched._free) == [0, 1] and not sched._live
+
+
+def test_a_timing_forward_that_fails_leaves_no_rows_behind(engines, monkeypatch):
+    """Timing a round's shape (a probe before a switch to drafting) adds rows to live sequences'
+    cells and rolls them back.  Where a decode failed after rows were added (a later group of a
+    split forward), they stayed: the probe's error is swallowed and the round went on with
+    cells past its tokens (its verify rows then read from the wrong positions)."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 2)
+    views = [sched.mc.seq(i) for i in range(2)]
+    for v, p in zip(views, PROMPTS[:2]):
+        v.eval(eng.tokenize(p), n_out=0)
+    held = [(v.n_past, list(v.tokens)) for v in views]
+    real = sched.mc.decode_windows
+
+    def fails_after(windows, *a, **kw):
+        real(windows, *a, **kw)
+        raise RuntimeError("the second group failed")
+
+    monkeypatch.setattr(sched.mc, "decode_windows", fails_after)
+    with pytest.raises(RuntimeError):
+        sched._time_views([(v, v.tokens[-1]) for v in views], 4, 1.0)
+    assert [(v.n_past, list(v.tokens)) for v in views] == held
+    sched.close()
