@@ -1,14 +1,55 @@
-"""JSON Schema → GBNF through llama-cpp-python's converter (the one place outside speculate's
-grammar module that calls it; imported lazily by mars_local.chat.tools)."""
+"""JSON Schema → GBNF through llama-cpp-python's converter (the one place that calls it; imported
+lazily by mars_local.speculate.grammar and mars_local.chat.tool_grammar)."""
 
 from __future__ import annotations
 
-__all__ = ["schema_to_gbnf"]
+import json
+import re
+
+from ..core.errors import MarsError
+
+__all__ = ["MAX_REPEAT", "check_repeats", "schema_to_gbnf"]
+
+# The converter spells every repetition out: minItems 100000000 wrote a 1.8 GB grammar (14 s,
+# several GB of memory, `mars serve`'s event loop blocked) before its size was checked.  A
+# count above this is refused before converting: at 18 bytes an item it is past the 1 MiB a
+# grammar may have anyway (speculate.grammar.check_grammar_text), and refused in microseconds.
+MAX_REPEAT = 100_000
+_COUNTS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
+                     "minContains", "maxContains"})
+_REGEX_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # a pattern's {m}, {m,} or {m,n}
+
+
+def check_repeats(schema) -> None:
+    """MarsError naming the first count in ``schema`` (a parsed JSON Schema) that asks for more
+    than MAX_REPEAT repetitions: a keyword (minItems, maxLength, ...) or a pattern's {m,n}."""
+    stack = [schema]
+    while stack:  # (iterative: a deeply nested schema must not overflow the stack)
+        x = stack.pop()
+        if isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            for key, v in x.items():
+                if key in _COUNTS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    if not v <= MAX_REPEAT:  # (also NaN and infinity)
+                        shown = f"{v:,}" if isinstance(v, int) else f"{v:g}"
+                        raise MarsError(f"the JSON schema's {key} {shown} is more than a grammar can spell out "
+                                        f"(at most {MAX_REPEAT:,})")
+                elif key == "pattern" and isinstance(v, str):
+                    for m in _REGEX_REPEAT.finditer(v):
+                        n = max(int(g) for g in m.groups() if g)
+                        if n > MAX_REPEAT:
+                            raise MarsError(f"the JSON schema's pattern repeats {n:,} times ({m.group(0)}); "
+                                            f"a grammar can spell out at most {MAX_REPEAT:,}")
+                else:
+                    stack.append(v)
 
 
 def schema_to_gbnf(schema_json: str, prop_order: list[str] | None = None) -> str:
-    """The GBNF grammar (start rule ``root``) of the documents ``schema_json`` accepts; the
-    converter's own exceptions pass through."""
+    """The GBNF grammar (start rule ``root``) of the documents ``schema_json`` accepts; MarsError
+    for a repetition too large to spell out (:func:`check_repeats`), else the converter's own
+    exceptions pass through."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+    check_repeats(json.loads(schema_json))
     return json_schema_to_gbnf(schema_json, prop_order=prop_order)

@@ -45,7 +45,7 @@ def grammar_from_json_schema(schema: str | dict) -> str:
 
 
 def _schema_gbnf(schema: str | dict) -> str:
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+    from ..llama.json_schema import schema_to_gbnf
 
     try:
         text = schema if isinstance(schema, str) else json.dumps(schema)
@@ -55,7 +55,9 @@ def _schema_gbnf(schema: str | dict) -> str:
     if not isinstance(obj, dict):
         raise MarsError("a JSON schema must be a JSON object")
     try:
-        gbnf = json_schema_to_gbnf(text)
+        gbnf = schema_to_gbnf(text)
+    except MarsError:
+        raise
     except Exception as exc:  # the converter raises bare exceptions on schemas it does not support
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise MarsError(f"cannot convert the JSON schema to a grammar: {msg}") from None

@@ -454,3 +454,33 @@ def test_output_that_would_set_a_lazy_grammar_off_badly_takes_another_token(plai
         finally:
             sch.close()
         assert many[1].tokens == ref.tokens
+
+
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "array", "minItems": 100_000_000, "items": {"type": "integer"}}, "minItems 100,000,000"),
+    ({"type": "string", "maxLength": 1e300}, "maxLength 1e+300"),
+    ({"type": "object", "properties": {"minItems": {"type": "string", "minLength": 200_001}}}, "minLength 200,001"),
+    ({"type": "string", "pattern": "^a{3,100000000}$"}, "100,000,000 times"),
+    ({"anyOf": [{"type": "integer"}, {"type": "array", "maxItems": float("inf")}]}, "maxItems inf"),
+])
+def test_a_schema_repeating_past_any_grammar_is_refused_before_it_is_spelled_out(monkeypatch, schema, named):
+    """llama-cpp-python's converter writes every repetition out: minItems 1e8 made a 1.8 GB
+    grammar (14 s and GBs of memory, mars serve's event loop blocked) before its size was
+    checked.  Such a count is refused before the converter runs, for response formats, --json-schema
+    and tools' parameters; a count within the bound still converts."""
+    import llama_cpp.llama_grammar as lg
+
+    from mars_local.chat.tool_grammar import tools_gbnf
+    from mars_local.chat.tools import ToolChoice, parse_tools
+
+    real = lg.json_schema_to_gbnf
+    monkeypatch.setattr(lg, "json_schema_to_gbnf", lambda *a, **kw: pytest.fail("the converter ran"))
+    with pytest.raises(MarsError, match=re.escape(named)):
+        grammar_from_json_schema(schema)
+    tools = parse_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": schema}}}}])
+    with pytest.raises(MarsError, match=re.escape(named)):
+        tools_gbnf("hermes", tools, ToolChoice("required"), False)
+    monkeypatch.setattr(lg, "json_schema_to_gbnf", real)
+    assert "root ::=" in grammar_from_json_schema({"type": "array", "minItems": 100_000 // 20, "maxItems": 100_000 // 20,
+                                                   "items": {"type": "integer"}})
