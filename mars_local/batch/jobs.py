@@ -36,9 +36,9 @@ def output_line(rec: Record, generation, piece=None, tool_format: str | None = N
     template's call syntax)."""
     obj = {MARK: FORMAT, "id": rec.id, "text": generation.text, "stats": generation.stats.to_dict()}
     if tool_format is not None:
-        from ..chat.tools import openai_calls, parse_tool_calls
+        from ..chat.tools import openai_calls, parse_tool_calls, was_cut
 
-        content, calls = parse_tool_calls(tool_format, generation.text)
+        content, calls = parse_tool_calls(tool_format, generation.text, cut=was_cut(generation.stats.stop_reason))
         obj["content"] = content or None
         obj["tool_calls"] = openai_calls(calls)
     lps = getattr(generation, "logprobs", None)

@@ -284,7 +284,14 @@ class StreamingToolParser:
         self._scan(False)
         return self._take()
 
-    def finish(self) -> list:
+    def finish(self, cut: bool = False) -> list:
+        """The events of the text still held.  ``cut``: the output was cut short (max tokens, a
+        full context), so a call still open at its end (or a trigger's first characters) is
+        unfinished markup: dropped, never shown as content, where a whole output's malformed call
+        is content (a model may write a trigger in prose)."""
+        if cut:
+            self._scan(False)  # (what is still held after it is an open call or a trigger's beginning)
+            self._consume(len(self._buf))
         self._scan(True)
         self._ws = ""  # trailing whitespace of the content is dropped
         return self._take()
@@ -445,12 +452,13 @@ class StreamingToolParser:
         return _BAD if call is None else self._done([call], e)
 
 
-def parse_tool_calls(fmt: str | None, text: str,
-                     new_id: Callable[[], str] = new_call_id) -> tuple[str, list[ToolCall]]:
-    """A whole output → (its content outside the calls, stripped; the calls)."""
+def parse_tool_calls(fmt: str | None, text: str, new_id: Callable[[], str] = new_call_id,
+                     cut: bool = False) -> tuple[str, list[ToolCall]]:
+    """A whole output → (its content outside the calls, stripped; the calls).  ``cut``: the output
+    was cut short, its unfinished last call dropped (:meth:`StreamingToolParser.finish`)."""
     p = StreamingToolParser(fmt, new_id)
     content, calls = [], {}
-    for ev in p.feed(text) + p.finish():
+    for ev in p.feed(text) + p.finish(cut):
         if isinstance(ev, ContentDelta):
             content.append(ev.text)
         elif isinstance(ev, ToolCallStart):
@@ -480,6 +488,11 @@ def template_choice(choice: ToolChoice | None):
     if choice is None:
         return None
     return {"type": "function", "function": {"name": choice.name}} if choice.mode == "function" else choice.mode
+
+
+def was_cut(stop_reason: str | None) -> bool:
+    """Whether an output that ended so was cut short (max tokens, a full context)."""
+    return stop_reason in ("length", "context")
 
 
 def openai_calls(calls) -> list[dict]:

@@ -272,7 +272,7 @@ def _read_tools(path: str, choice_text: str, cfg):
 
 def _run_tools(eng, text: str, system: Optional[str], cfg, tools, as_json: bool, stats: bool, choice, gen) -> None:
     """PROMPT as a user turn with tools: the answer's calls parsed (chat.tools), printed as JSON."""
-    from ..chat.tools import openai_calls, parse_tool_calls
+    from ..chat.tools import openai_calls, parse_tool_calls, was_cut
 
     tools, tc = tools
     prompt_in, cfg, fmt = eng.tool_prompt(_messages(text, system), tools, tc, cfg)
@@ -282,7 +282,8 @@ def _run_tools(eng, text: str, system: Optional[str], cfg, tools, as_json: bool,
     except KeyboardInterrupt:
         _interrupted(stream, True, None)
     whole = "".join(parts)
-    content, calls = parse_tool_calls(fmt, whole) if fmt is not None else (whole, [])
+    content, calls = (parse_tool_calls(fmt, whole, cut=was_cut(stream.stats.stop_reason)) if fmt is not None
+                      else (whole, []))
     obj = {"content": content or None, "tool_calls": openai_calls(calls)}
     if as_json:
         obj = {"text": whole, "tokens": tokens, **obj, "stats": stream.stats.to_dict()}

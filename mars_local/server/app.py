@@ -257,7 +257,7 @@ class _Server:
                 yield {"data": json.dumps(first)}
             calls = None  # the tool-call parser, when the answer may hold calls
             if job.tool_format is not None:
-                from ..chat.tools import StreamingToolParser
+                from ..chat.tools import StreamingToolParser, was_cut
 
                 calls = StreamingToolParser(job.tool_format)
             while True:
@@ -267,7 +267,7 @@ class _Server:
                     break
                 if kind == "done":
                     if calls is not None:
-                        for c in maker.tool_chunks(calls.finish()):
+                        for c in maker.tool_chunks(calls.finish(cut=was_cut(value.stop_reason))):
                             yield {"data": json.dumps(c)}
                     yield {"data": json.dumps(maker.last(value))}
                     if req.include_usage:

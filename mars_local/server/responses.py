@@ -133,14 +133,19 @@ class ResponseMaker:
 
     def complete_tools(self, text: str, fmt: str, logprobs: Sequence[TokenLogprob] | None, stats: SpecStats) -> dict:
         """A chat answer that may hold tool calls in the template's syntax ``fmt``: the calls go
-        to ``message.tool_calls`` (finish_reason "tool_calls"), the rest is the content."""
-        from ..chat.tools import openai_calls, parse_tool_calls
+        to ``message.tool_calls`` (finish_reason "tool_calls", or "length" where the answer was
+        cut short: an unfinished last call is dropped), the rest is the content."""
+        from ..chat.tools import openai_calls, parse_tool_calls, was_cut
 
-        content, calls = parse_tool_calls(fmt, text)
-        if not calls:
+        cut = was_cut(stats.stop_reason)
+        content, calls = parse_tool_calls(fmt, text, cut=cut)
+        if not calls and not cut:
             return self.complete(text, logprobs, stats)
-        message = {"role": "assistant", "content": content or None, "tool_calls": openai_calls(calls)}
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": "tool_calls"}
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = openai_calls(calls)
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(logprobs),
+                  "finish_reason": finish_reason(stats.stop_reason) if cut else "tool_calls"}
         return self._object("chat.completion", [choice], usage=usage(stats))
 
     def tool_chunks(self, events) -> list[dict]:
@@ -179,7 +184,9 @@ class ResponseMaker:
         return self._chunk(delta, self._logprobs(logprobs), None)
 
     def last(self, stats: SpecStats) -> dict:
-        reason = "tool_calls" if self.n_calls else finish_reason(stats.stop_reason)
+        reason = finish_reason(stats.stop_reason)
+        if self.n_calls and reason != "length":  # (calls, then cut short: "length", as OpenAI)
+            reason = "tool_calls"
         return self._chunk({} if self.kind == "chat" else "", None, reason)
 
     def usage_chunk(self, stats: SpecStats) -> dict:

@@ -515,3 +515,29 @@ def test_a_grammar_for_128_tools_compiles_fast(model):
 def test_tools_gbnf_refuses_what_no_grammar_means(fmt, choice, words):
     with pytest.raises(MarsError, match=re.escape(words)):
         tools_gbnf(fmt, TOOLS, choice, True)
+
+
+@pytest.mark.parametrize("fmt, whole, open_call", [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n',
+     '<tool_call>\n{"name": "add", "arguments": { "a": 2'),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n', "<tool_c"),
+    ("llama3", '{"name": "add", "parameters": {"a": 2, "b": 3}}; ', '{"name": "add", "parameters": {"a'),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]', '[TOOL_CALLS][{"name": "ad'),
+])
+def test_an_output_cut_short_inside_a_call_shows_no_call_markup(fmt, whole, open_call):
+    """Max tokens cut a model inside its next call (a forced tool_choice lets it write several):
+    the unfinished call was returned as content, markup and all, in the answer and in the last
+    streamed delta.  Cut short, an open call is dropped; the complete calls stay.  The same text
+    as a whole output (nothing cut) keeps the malformed call as content, as before."""
+    text = whole + open_call
+    content, calls = parse_tool_calls(fmt, text, new_id=counter(), cut=True)
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3})]
+    for cuts in ([], [5, 17, len(whole) + 3]):  # streamed, split anywhere
+        p = StreamingToolParser(fmt, counter())
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        events = [ev for piece in pieces for ev in p.feed(piece)] + p.finish(cut=True)
+        assert not [ev for ev in events if isinstance(ev, ContentDelta)]
+        assert sum(isinstance(ev, ToolCallStart) for ev in events) == 1
+    if fmt == "hermes" and open_call.endswith("2"):
+        kept, _ = parse_tool_calls(fmt, text, new_id=counter())
+        assert kept.startswith("<tool_call>")  # (a whole output's malformed call is content)

@@ -200,3 +200,23 @@ def test_completion_logprobs_offsets():
                                            "top_logprobs": [{"ab": -1.0, "d": -2.0}, {"c": -0.5}], "text_offset": [0, 2]}
     assert b["choices"][0]["logprobs"]["text_offset"] == [3]
     assert m.first() is None and a["object"] == "text_completion"
+
+
+@pytest.mark.parametrize("stop_reason, reason", [("length", "length"), ("context", "length"), ("eog", "tool_calls")])
+def test_calls_cut_short_finish_with_length_and_no_markup(stop_reason, reason):
+    """An answer whose calls max tokens cut (the next call open): its complete calls, no content
+    (the open call's markup was the content), and finish_reason "length", streamed or not."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+    text = call + ('<tool_call>\n{"name": "add", "argu' if stop_reason != "eog" else "")
+    m = ResponseMaker("chat", "m", "chatcmpl-1", 1, False)
+    full = m.complete_tools(text, "hermes", None, stats(stop_reason=stop_reason))
+    choice = full["choices"][0]
+    assert choice["finish_reason"] == reason and choice["message"]["content"] is None
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["add"]
+    from mars_local.chat.tools import StreamingToolParser
+
+    s = ResponseMaker("chat", "m", "chatcmpl-1", 1, True)
+    p = StreamingToolParser("hermes")
+    chunks = s.tool_chunks(p.feed(text)) + s.tool_chunks(p.finish(cut=stop_reason != "eog"))
+    assert not [c for c in chunks if c["choices"][0]["delta"].get("content")]
+    assert s.last(stats(stop_reason=stop_reason))["choices"][0]["finish_reason"] == reason
