@@ -21,7 +21,7 @@ from ..chat.tokens import TokenizingCancelled
 from ..core.errors import MarsError
 from ..speculate.batched import Scheduler
 from .requests import ApiError
-from .worker import Job, Worker
+from .worker import Job, Worker, generation_error
 
 __all__ = ["BatchWorker"]
 
@@ -137,7 +137,7 @@ class BatchWorker(Worker):
                     stream.take()  # (nothing left to read: raises the error it ended on, if any,
                     # which the first take() held back while text held back came out with it)
             except MarsError as exc:
-                self._finish(job, "error", ("error", ApiError(500, str(exc), type="server_error")))
+                self._finish(job, "error", ("error", generation_error(exc)))
                 continue
             except Exception as exc:  # noqa: BLE001 - one request's failure
                 print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -42,6 +42,15 @@ _ids = itertools.count(1)
 FIRST_CHUNK_WAIT_S = 0.1
 
 
+def generation_error(exc: MarsError) -> ApiError:
+    """The answer to a generation that failed on a MarsError: one that names a setting of the
+    request (e.g. its grammar, which no token can continue) is the client's (400, that param),
+    any other the server's (500)."""
+    if exc.field:
+        return ApiError(400, str(exc), param=exc.field)
+    return ApiError(500, str(exc), type="server_error")
+
+
 class Job:
     """One request in the queue or on the engine."""
 
@@ -248,7 +257,7 @@ class Worker:
                 if job.cancelled:
                     break
         except MarsError as exc:
-            return "error", ("error", ApiError(500, str(exc), type="server_error"))
+            return "error", ("error", generation_error(exc))
         finally:
             stream.close()
         if job.cancelled and self._stopping.is_set():  # the client is still there: say why it ends

@@ -108,7 +108,7 @@ class Controls:
             for i in range(len(logits)):
                 w.apply(logits[i])
                 if self.grammar is not None and logits[i].max() == -np.inf:  # (NaN: the verify rule says so)
-                    raise MarsError(GRAMMAR_DEAD_END)
+                    raise MarsError(GRAMMAR_DEAD_END, field="grammar")  # (the request's grammar)
                 if i == len(draft) or not w.push(int(draft[i]), logits[i]):
                     break
         finally:

@@ -252,3 +252,27 @@ def test_an_unexpected_fault_in_one_request_leaves_the_thread_serving(engine, mo
         assert got[1] == "error" and "unexpected" in str(got[2].body())
     assert after[1] == "done" and after[0] == engine.generate(PROMPTS[1], max_tokens=12, temperature=0, draft_max=0,
                                                               ignore_eos=True).tokens
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_grammar_no_token_continues_is_the_clients_error(smollm2, parallel):
+    """A request's grammar that no token can continue fails at generation time: that is the
+    request's fault, 400 naming the grammar (it was a 500 server_error), on both workers."""
+    from mars_local.server.worker import Worker
+
+    async def main(engine):
+        loop = asyncio.get_running_loop()
+        w = BatchWorker(engine, queue_size=4, parallel=2) if parallel > 1 else Worker(engine, queue_size=4)
+        try:
+            job = Job(parse_completion({"prompt": "hi", "max_tokens": 4,
+                                        "grammar": 'root ::= [^\\x00-\\U0010FFFF]'}, D), loop)
+            w.submit(job)
+            return await collect(job)
+        finally:
+            assert w.stop(30)
+
+    with Engine(smollm2, drafter="ngram", n_ctx=256, n_threads=2, learned=False) as eng:
+        _, kind, err = asyncio.run(main(eng))  # (the tiny models' byte tokens continue any grammar)
+    body = err.body()["error"]
+    assert kind == "error" and err.status == 400 and body["param"] == "grammar"
+    assert body["type"] == "invalid_request_error" and "allows no token" in body["message"]
