@@ -111,14 +111,24 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app, sock: socket.socket, on_ready: Callable[[], None] | None = None) -> None:
+def run_server(app, sock: socket.socket, on_ready: Callable[[], None] | None = None,
+               on_shutdown: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on ``sock`` until Ctrl-C or SIGTERM (uvicorn; its access log off:
-    the app logs one line per generation)."""
+    the app logs one line per generation).  ``on_shutdown()`` as shutting down begins, before
+    uvicorn waits (3 s at most) for the requests in flight: they must end by then (mars serve
+    cancels its generations, each answered 503), or uvicorn cancels their tasks (a traceback per
+    request, and a plain-text 500 to a client waiting for a whole answer)."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            if on_shutdown is not None:
+                on_shutdown()
+            await super().shutdown(sockets=sockets)
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
                             lifespan="on")
-    server = uvicorn.Server(config)
+    server = Server(config)
     if on_ready is not None:
         on_ready()
     server.run(sockets=[sock])

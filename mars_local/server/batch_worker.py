@@ -41,12 +41,15 @@ class BatchWorker(Worker):
         return len(self.active)
 
     def stop(self, timeout: float = 5.0) -> bool:
-        for job in list(self.active):
-            job.cancel()
         ok = super().stop(timeout)
         if ok:
             self.sched.close()
         return ok
+
+    def cancel_all(self) -> None:
+        for job in list(self.active):
+            job.cancel()
+        super().cancel_all()
 
     def warm_up(self) -> float:
         """Time the target's batched forwards on the generation thread before any request

@@ -141,6 +141,17 @@ class Worker:
     def stop(self, timeout: float = 5.0) -> bool:
         """Cancel what runs and waits, and end the thread; whether it ended within ``timeout``
         (a prompt being evaluated finishes first: the engine must not be freed before)."""
+        self.cancel_all()
+        self._q.put(None)
+        # a Ctrl-C meanwhile (a second one while the server shuts down) does not cut the wait
+        # short: the caller frees the models next
+        wait_through(self._ended, timeout)
+        return self._ended.is_set()
+
+    def cancel_all(self) -> None:
+        """Shutting down: cancel what runs and waits, without waiting for the thread.  Each
+        request ends with 503 "the server is shutting down" (what it streamed stays sent), so
+        its connection closes at once; the thread goes on until :meth:`stop`."""
         self._stopping.set()
         running = self.running  # (the thread may set it to None meanwhile)
         if running is not None:
@@ -154,11 +165,6 @@ class Worker:
                 job.cancel()
                 if isinstance(job, Job):  # (not a BatchWorker's warm-up)
                     job.emit("error", ApiError(503, "the server is shutting down", type="server_error"))
-        self._q.put(None)
-        # a Ctrl-C meanwhile (a second one while the server shuts down) does not cut the wait
-        # short: the caller frees the models next
-        wait_through(self._ended, timeout)
-        return self._ended.is_set()
 
     def _main(self) -> None:
         try:

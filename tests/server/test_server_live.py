@@ -329,3 +329,40 @@ def test_huge_chats_are_refused_in_seconds(server, oa):
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", (name, r.text)
         assert took < 10, (name, took)
     assert oa.completions.create(model="target", prompt="next", max_tokens=2).usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("parallel", ["1", "2"])
+def test_ctrl_c_answers_every_request_in_flight_with_a_503_and_no_traceback(tiny_target, parallel):
+    """Ctrl-C with a whole answer and a stream in flight: uvicorn waits 3 s for requests to end,
+    then cancelled their tasks (a traceback each on stderr, a plain-text 500 to the client waiting
+    for a whole answer).  Shutting down now cancels the generations first: the whole answer is a
+    JSON 503, the stream ends with the same error event, stderr has no traceback nor ERROR line."""
+    import threading
+
+    s = LiveServer.start("-m", tiny_target, "--drafter", "ngram", "-c", "65536", "--parallel", parallel)
+    whole: dict = {}
+
+    def ask() -> None:
+        r = httpx.post(f"{s.url}/completions", timeout=60,
+                       json={"prompt": "a whole answer", "max_tokens": 60000, "ignore_eos": True})
+        whole.update(status=r.status_code, type=r.headers.get("content-type"), body=r.text)
+
+    t = threading.Thread(target=ask)
+    try:
+        with httpx.stream("POST", f"{s.url}/completions", timeout=60, json={
+                "prompt": "long", "max_tokens": 60000, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            t.start()
+            time.sleep(1.0)  # (the whole answer is in flight too, or waiting for the slot)
+            s.proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data:")]
+        t.join(30)
+        s.proc.wait(20)
+    finally:
+        s.stop()
+    assert s.proc.returncode == 130
+    assert whole["status"] == 503 and "application/json" in whole["type"], whole
+    assert json.loads(whole["body"])["error"]["message"] == "the server is shutting down"
+    assert any("the server is shutting down" in line for line in rest) and rest[-1] == "data: [DONE]", rest[-3:]
+    assert not any("Traceback" in line or "ERROR" in line for line in s.lines), s.lines
