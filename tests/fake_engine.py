@@ -187,6 +187,7 @@ class FakeEngine:
 def fake_engine(monkeypatch) -> FakeEngine:
     """The FakeEngine every `mars` command opens in this test (set its fields
     before invoking); ``opened`` holds the arguments the CLI built the engine with."""
+    import mars_local.speculate.batch_cost
     import mars_local.speculate.engine
 
     eng = FakeEngine()
@@ -198,4 +199,7 @@ def fake_engine(monkeypatch) -> FakeEngine:
         return eng
 
     monkeypatch.setattr(mars_local.speculate.engine, "Engine", open_fake)
+    # it decodes one sequence at a time (no Scheduler over it): the default --parallel (auto) is 1
+    # for it; the batched paths are tested on real tiny models
+    monkeypatch.setattr(mars_local.speculate.batch_cost, "auto_parallel", lambda engine, *a, **kw: 1)
     return eng

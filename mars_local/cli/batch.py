@@ -30,8 +30,8 @@ EPILOG = (
 
 PARALLEL = typer.Option(
     DEFAULTS.parallel, "--parallel", "-np", metavar="N",
-    help="Records decoded together, one batch per round (0 = auto: 8, fewer when memory is short). "
-         "With N > 1 records are written as they finish, not in input order.",
+    help="Records decoded together, one batch per round (0 = auto: 8, fewer when memory is short; "
+         "1 = one at a time, in input order). With N > 1 records are written as they finish.",
 )
 
 

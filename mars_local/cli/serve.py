@@ -15,10 +15,11 @@ from ..core.defaults import DEFAULTS
 from ..core.errors import MarsError
 
 PARALLEL = typer.Option(
-    DEFAULTS.parallel, "--parallel", "-np", metavar="N",
+    DEFAULTS.parallel_serve, "--parallel", "-np", metavar="N",
     help="Requests decoded together in one batch per round (continuous batching; each sequence holds up "
-         "to -c tokens, so the KV cache is N times a lone one). 0 = auto (8, fewer when memory is short). "
-         "1 = one at a time, reusing the previous prompt's cache.",
+         "to -c tokens, so the KV cache is N times a lone one). 0 = auto: 8, fewer where their KV caches "
+         "would take over half the free memory (the GPUs' with -ngl). 1 = one at a time, reusing any "
+         "cached prefix of the next prompt (a chat's conversation).",
 )
 QUEUE = typer.Option(
     DEFAULTS.queue_size, "--queue", help="Requests that may wait for the engine; more get 503."
@@ -113,7 +114,7 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
         if not is_loopback(host) and api_key is None:
             warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
 
-    run_server(app, sock, ready)
+    run_server(app, sock, ready, on_shutdown=worker.cancel_all)  # requests in flight end with a 503 at once
     # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too
     _stop_worker(worker, sock)
 

@@ -187,7 +187,13 @@ SETTINGS: dict[str, Setting] = {
     "n_threads": Setting(None, lo=1, hi=512, integer=True, note="ggml's limit"),  # None: the physical cores
     # ---- mars serve
     "queue_size": Setting(64, lo=1, integer=True, name="queue"),  # requests waiting for the engine before 503
-    "parallel": Setting(1, lo=0, hi=256, integer=True, name="parallel"),  # sequences per round (0: auto)
+    # sequences per round of mars batch; 0: auto (speculate.batch_cost.auto_parallel: 8, fewer where
+    # their KV caches would take over half the free memory)
+    "parallel": Setting(0, lo=0, hi=256, integer=True, name="parallel"),
+    # mars serve's: one at a time, whose engine reuses any cached prefix of the next prompt (a chat's
+    # whole conversation), where batched sequences reuse only rows a lone run computes alike
+    # (llama.streams.exact_reuse) and re-evaluate a longer conversation at every turn
+    "parallel_serve": Setting(1, lo=0, hi=256, integer=True, name="parallel"),
 }
 
 

@@ -61,9 +61,13 @@ def test_batch_prompts_messages_settings_and_malformed_lines(tiny_target, tmp_pa
     assert r.exit_code == EXIT_SKIPPED, r.output  # the rest was done, two lines were skipped
     assert "line 3" in r.stderr and "line 4" in r.stderr and "2 record(s) skipped" in r.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [x["id"] for x in rows] == [1, "two", 5]
-    assert rows[1]["stats"]["n_generated"] <= 3
+    by_id = {x["id"]: x for x in rows}  # (the default --parallel writes records as they finish)
+    assert len(rows) == 3 and set(by_id) == {1, "two", 5}
+    assert by_id["two"]["stats"]["n_generated"] <= 3
     assert all(set(x) == {"mars_batch", "id", "text", "stats"} and x["mars_batch"] == 1 for x in rows)
+    one = tmp_path / "one.jsonl"  # one at a time: in input order, the same records
+    assert invoke("batch", inp, "-o", one, "-m", tiny_target, "-n", 6, "--parallel", 1).exit_code == EXIT_SKIPPED
+    assert ids_in(one) == [1, "two", 5]
     # rerun: nothing new to generate, nothing duplicated (the bad lines are still reported)
     again = invoke("batch", inp, "-o", out, "-m", tiny_target, "-n", 6)
     assert again.exit_code == EXIT_SKIPPED and len(out.read_text().splitlines()) == 3

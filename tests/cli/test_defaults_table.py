@@ -23,7 +23,7 @@ OWN = {
     ("run", "n_predict"): "max_tokens", ("batch", "n_predict"): "max_tokens",
     ("chat", "n_predict"): "max_tokens_chat", ("serve", "n_predict"): "max_tokens_serve",
     ("bench", "n_predict"): "max_tokens_bench", ("bench", "seed"): "seed_bench", ("bench", "draft_max"): None,
-    ("run", "logprobs"): "logprobs", ("serve", "queue"): "queue_size",
+    ("run", "logprobs"): "logprobs", ("serve", "queue"): "queue_size", ("serve", "parallel"): "parallel_serve",
 }
 NONE_IS_DEFAULT = {"theta", "draft_max", "stop"}  # None: the pair's (the help shows the table's), or no stop string
 
