@@ -28,6 +28,9 @@ from .typed import ARGV, decode_utf8, typed_flag, valid_utf8
 from ..core.errors import MarsError
 from ..core.textfile import MAX_PROMPT_BYTES, decode_text, read_stream
 
+# a write that failed with one of these and no file name: standard output (a full disk, /dev/full)
+_OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG})
+
 
 def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
@@ -100,10 +103,13 @@ class MarsGroup(TyperGroup):
             echo("error: out of memory (the input or the model is too large for the memory this process may use)",
                  err=True)
             code = 2
-        except OSError as exc:
+        except OSError as exc:  # an error (2), as README's exit codes say: 1 is a failed doctor check
             where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-            echo(f"error: {exc.strerror or exc}{where}", err=True)
-            code = 1
+            if not where and exc.errno in _OUTPUT_ERRNOS:  # (a write without a file name: the output)
+                echo(f"error: cannot write standard output: {exc.strerror or exc}", err=True)
+            else:
+                echo(f"error: {exc.strerror or exc}{where}", err=True)
+            code = 2
         if standalone_mode:
             sys.exit(code)
         return code

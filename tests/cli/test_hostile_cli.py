@@ -327,3 +327,20 @@ def test_inline_json_that_is_not_an_object_says_so(tmp_path, env, fake_engine):
 def test_rpc_draft_needs_rpc(tmp_path, env):
     line = one_error(invoke("run", "hi", "-m", tmp_path / "missing.gguf", "--rpc-draft", env=env))
     assert "--rpc-draft" in line and "--rpc" in line
+
+
+@pytest.mark.parametrize("args", [("models",), ("--version",), ("run", "hi", "-n", "3", "--no-draft")])
+def test_standard_output_that_cannot_be_written_is_an_error_of_its_own(tiny_target, args):
+    """Standard output on a full disk (/dev/full): exit 2, an error as README's exit codes say
+    (it was 1, a failed doctor check's), naming standard output (it gave only the errno's text)."""
+    import os
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    if args[0] == "run":
+        args = (*args, "-m", str(tiny_target))
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*MARS, *args], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "error: cannot write standard output: No space left on device"
+    assert "Traceback" not in r.stderr
