@@ -176,6 +176,9 @@ def busy_note(threads: int, cores: int, load: float, running: int) -> str | None
     if cores < 1 or threads < 1 or others < 1.0 or threads + others <= cores + 0.5:
         return None
     free = max(1, cores - int(others + 0.5))
+    if free >= threads:  # (fewer threads would not help: -t 1 already shares a core)
+        return (f"the CPU is busy (load {load:.1f} on {cores} cores): {threads} thread(s) sharing cores with other "
+                "processes can be many times slower; stop the other work for full speed")
     return (f"the CPU is busy (load {load:.1f} on {cores} cores): {threads} threads that share cores with "
             f"other processes can be many times slower; try -t {free}, or stop the other work")
 

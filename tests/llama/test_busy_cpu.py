@@ -21,12 +21,15 @@ def note_on(monkeypatch):
     (8, 16, 4.0, 5, False, None),     # enough free cores for the default threads
     (16, 16, 4.0, 5, True, "-t 12"),  # all cores asked for while 4 are busy
     (1, 2, 1.0, 2, False, None),      # one thread fits beside one busy core
+    (1, 2, 3.3, 4, True, "stop the other work"),  # -t 1 already: no "-t 1" advice (it was given)
+    (2, 2, 3.0, 4, True, "-t 1"),     # both cores busy elsewhere: one thread still shares less
 ])
 def test_busy_note(threads, cores, load, running, warn, suggest):
     note = busy_note(threads, cores, load, running)
     assert (note is not None) == warn, note
     if warn:
         assert suggest in note and f"load {load:.1f} on {cores} cores" in note
+        assert f"-t {threads}" not in note  # never the setting it runs with
 
 
 def test_read_busy_note_parses_proc_loadavg(tmp_path):
