@@ -44,6 +44,7 @@ from ..llama.mtp import MtpContext, check_mtp_model, open_mtp
 from ..llama.runtime import Model, build_fingerprint, check_vocab_compatible
 from ..core.sampling import position_uniforms
 from ..core.stats import SpecStats
+from ..core.tokens import common_prefix_len
 from ..core.verify import VerifyResult, verify
 
 __all__ = ["Engine", "GenerateConfig", "Generation", "Chunk", "Stream"]
@@ -332,7 +333,13 @@ class Engine(TargetAccess):
         chunk where that is free (llama.context.last_rides), else it is evaluated alone.  None
         only where the context has no room for it (the cache then holds the prompt minus it)."""
         stats = run.stats
-        stats.n_prompt_evaluated, first = self._ctx.prefill(run.tokens)
+        kept = common_prefix_len(self._ctx.tokens, run.tokens[:-1])
+        try:
+            stats.n_prompt_evaluated, first = self._ctx.prefill(run.tokens)
+        except BaseException:  # (Ctrl-C between chunks): --stats shows the prompt's part done so far
+            stats.n_prompt_evaluated = max(0, len(self._ctx.tokens) - kept)
+            stats.time_prompt_target_s = stats.time_prompt_s = time.perf_counter() - t_start
+            raise
         if first is None and len(run.tokens) <= self._ctx.n_ctx:
             # the last token had no chunk to ride in (the prompt all cached, or its last chunk too
             # wide for lone rows): evaluated alone, a lone row as plain decoding's first round is,

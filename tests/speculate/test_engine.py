@@ -520,3 +520,27 @@ def test_a_draft_models_catch_up_after_plain_rounds_is_kept_out_of_its_draft_cos
     finally:
         ctx.close()
         m.close()
+
+
+def test_ctrl_c_during_the_prompt_keeps_what_the_prefill_did_in_the_stats(tiny_target, monkeypatch):
+    """A Ctrl-C between prompt chunks: the statistics (mars run --stats) say how much of the
+    prompt was evaluated and how long that took.  They said 0 evaluated in 0 ms, the rest
+    "reused from cache", and counted the prefill's time as decoding."""
+    from mars_local.llama.context import Context
+
+    with Engine(tiny_target, drafter="ngram", n_ctx=512, n_batch=32, n_threads=2, learned=False) as eng:
+        prompt = eng.tokenize("the quick brown fox jumps over the lazy dog " * 20)[:200]
+        real, calls = Context._decode, []
+
+        def third_chunk_interrupted(self, toks, n_out):
+            calls.append(len(toks))
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real(self, toks, n_out)
+
+        monkeypatch.setattr(Context, "_decode", third_chunk_interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(prompt, max_tokens=4, temperature=0)
+        s = eng.last_stats
+        assert s.stop_reason == "interrupted" and s.n_prompt_evaluated == 64 and s.time_prompt_s > 0
+        assert s.time_prompt_target_s == s.time_prompt_s <= s.time_total_s
