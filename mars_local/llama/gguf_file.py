@@ -8,7 +8,9 @@ the header alone (memory-mapped: only the header's pages are read).
 
 from __future__ import annotations
 
+import errno
 import mmap
+import stat
 import struct
 from contextlib import contextmanager
 from pathlib import Path
@@ -82,7 +84,10 @@ def _header(path: Path):
     """``path``'s header memory-mapped (only its pages are read): (a reader past the counts,
     n_tensors, n_kv), or None for a GGUF version this parser does not know.  Raises _Short when
     the file ends inside the header, OSError when it cannot be read."""
-    size = path.stat().st_size
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):  # (opening a FIFO would wait for a writer forever)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    size = st.st_size
     with path.open("rb") as fh:
         if size < 24:
             raise _Short

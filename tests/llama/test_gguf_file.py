@@ -31,3 +31,32 @@ def test_a_truncated_file_is_refused_with_its_sizes(tiny_target, tmp_path, keep,
     cut.write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
     with pytest.raises(MarsError, match=f"truncated or corrupt: .*{why}"):
         check_gguf_file(cut)
+
+
+def test_a_fifo_as_the_model_is_refused_not_waited_on(tmp_path):
+    """A named pipe where the model should be: opening it waits for a writer forever, and the
+    header read before the load (the repack check's metadata) did exactly that.  Both the
+    metadata read and the check refuse it at once (a second's timeout guards the test)."""
+    import os
+    import threading
+
+    from mars_local.llama.gguf_file import gguf_metadata
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    got: list = []
+
+    def read() -> None:
+        got.append(gguf_metadata(fifo))
+        try:
+            check_gguf_file(fifo)
+        except MarsError as exc:
+            got.append(str(exc))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(5)
+    if t.is_alive():  # (unblock it: a writer opens the pipe)
+        with open(fifo, "wb"):
+            pass
+    assert got == [{}, f"model path is not a file: {fifo}"]
