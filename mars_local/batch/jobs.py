@@ -89,6 +89,10 @@ def _run_parallel(engine, records: Iterable[Record], done: Iterable, parallel: i
     from ..speculate.batched import Scheduler
 
     sched = Scheduler(engine, parallel)
+    try:  # (once per machine and models: the calibration a first round would make, the wide-chunk
+        sched.warm_up()  # probe that lets records keep a long shared prefix; a failure: the rounds do it)
+    except MarsError:
+        pass
     live: list = []  # (record, its BatchStream), at most 2 x parallel planned ahead
     todo = iter(records)
     try:

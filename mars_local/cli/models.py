@@ -166,7 +166,7 @@ def _learned_build(key: str) -> str | None:
 
 def _learned_summary(v: dict) -> str:
     """One line about one learned-state entry."""
-    if "mode" in v or "cost" in v:  # a Scheduler's (speculate/batched.py)
+    if "mode" in v or "cost" in v or "wide_alike" in v:  # a Scheduler's (speculate/batched.py)
         return _batch_summary(v)
     if "time" in v:
         sizes = sorted(int(w) for w in v["time"])
@@ -201,7 +201,10 @@ def _batch_summary(v: dict) -> str:
                           if r.get(True) and r.get(False))
     except (TypeError, ValueError, AttributeError, ZeroDivisionError):
         return "batched rounds (unreadable)"
-    return f"batched rounds: {shapes} shapes timed" + (f"; drafting / plain rate per load {loads}" if loads else "")
+    wide = {True: "; prompt chunks of over 64 rows compute rows alike (a chat's next turn keeps its conversation)",
+            False: "; prompt chunks of over 64 rows differ by length (a longer prompt re-evaluates them)"}
+    return (f"batched rounds: {shapes} shapes timed" + (f"; drafting / plain rate per load {loads}" if loads else "")
+            + wide.get(v.get("wide_alike"), ""))
 
 
 def rpc_report(value: str) -> list[dict]:

@@ -56,7 +56,7 @@ __all__ = ["MAX_INVARIANT_ROWS", "MultiContext", "SeqView", "exact_reuse"]
 
 
 def exact_reuse(cached: Sequence[int], old_prompt: int, new: Sequence[int], n_batch: int,
-                inv: int = MAX_INVARIANT_ROWS) -> int:
+                inv: int = MAX_INVARIANT_ROWS, wide_alike: bool = False) -> int:
     """How many leading cells of ``cached`` a sequence prefilling ``new`` may keep, its rows
     staying exactly a lone run's (pure).
 
@@ -67,6 +67,13 @@ def exact_reuse(cached: Sequence[int], old_prompt: int, new: Sequence[int], n_ba
     kept when both computations of its rows used the invariant kernels (``new``'s chunk
     and ``cached``'s chunk at c, or windows, of at most ``inv`` rows), or when both were
     the same chunk of more than ``inv`` rows of the same tokens; else reuse ends at c.
+
+    ``wide_alike``: this model's chunks of more than ``inv`` rows compute every row alike
+    whatever their length (measured: :meth:`.Scheduler.warm_up`).  Then a wide chunk of
+    ``new`` keeps the rows a wide chunk of the old prompt computed, but for the last ``inv``
+    + 1 at least, computed again in one decode that is still wide: a chat's next turn (its
+    conversation so far, then a short new message) keeps all but a few dozen tokens, where
+    it had to evaluate the whole conversation again.
     """
     common = common_prefix_len(cached, new)
     kept = c = 0
@@ -79,6 +86,13 @@ def exact_reuse(cached: Sequence[int], old_prompt: int, new: Sequence[int], n_ba
             kept = min(common, e_new)
         elif not new_inv and not old_inv and e_new == e_old and e_new <= common:
             kept = e_new
+        elif wide_alike and not new_inv and not old_inv:
+            done = min(common, e_old)  # this chunk's rows a wide chunk computed
+            if done >= e_new:
+                kept = e_new
+            else:  # the rest of the chunk again, in a decode of more than inv rows
+                kept = max(c, min(done, e_new - inv - 1))
+                break
         else:
             break
         c += n_batch

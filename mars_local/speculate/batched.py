@@ -118,6 +118,9 @@ class Scheduler:
         self._draft_timed = False  # _calibrate_draft timed (or failed to time) the draft model
         self._drafted_last = False  # the last round with a draft model drafted (DraftOrNot said so)
         self._saved_at = time.perf_counter()  # the controllers last saved (_save_learned)
+        # whether the target's chunks of more than the exact bound compute rows alike whatever
+        # their length (llama.streams.exact_reuse): measured by warm_up, kept; None: not known
+        self.wide_alike: bool | None = None
         self._load_learned()
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._live: dict[int, _Seq] = {}  # slot -> sequence
@@ -242,7 +245,7 @@ class Scheduler:
         if not view.tokens:
             return 0
         return view.reachable(exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch,
-                                          self.mc.invariant_rows))
+                                          self.mc.invariant_rows, wide_alike=self.wide_alike is True))
 
     def _longest_prefix(self, prompt: list[int], slots, floor: int) -> tuple[int | None, int]:
         """Of ``slots``, the first whose cells give the longest exact prefix of ``prompt`` longer
@@ -371,13 +374,22 @@ class Scheduler:
         sequence still starts as a lone run does.  Returns the seconds spent (0 where nothing
         needed timing: no draft-length controller, lone windows timed here before, a
         recurrent target, or requests already live).  Call it from the thread that decodes."""
-        if self.calibrated or self._live or self.eng.target.recurrent:
+        if self._live or self.eng.target.recurrent:
             return 0.0
+        t0, probed = time.perf_counter(), self.wide_alike is None
+        if probed:
+            self.wide_alike = self._probe_wide()
+            if self.wide_alike is not None:  # kept at once, beside what earlier processes learned
+                self.eng.controllers.keep_batch_state({**(self.eng.controllers.batch_state() or {}),
+                                                       "wide_alike": self.wide_alike})
+                self.eng.controllers.save()
+        spent = time.perf_counter() - t0 if probed else 0.0
+        if self.calibrated:
+            return spent
         ctrl = self.eng._controller(config if config is not None else GenerateConfig.make())
         if ctrl is None or ctrl.target_costs(1) is not None or not self._untimed():
             self.calibrated = ctrl is not None  # (as the first round would decide)
-            return 0.0
-        t0 = time.perf_counter()
+            return spent
         view = self.mc.seq(self._free[0])
         text = self.eng._prompt_tokens(WARM_UP_TEXT)[:WARM_UP_TOKENS]
         try:
@@ -386,6 +398,31 @@ class Scheduler:
         finally:
             view.clear()
         return time.perf_counter() - t0
+
+    def _probe_wide(self) -> bool | None:
+        """Whether this target's chunks of more than the exact bound compute every row alike
+        whatever their length (None: not measured): the last row of one chunk of 2 × bound + 8
+        rows, against the same tokens in two chunks of more than the bound each, bit for bit.
+        Measured on this Zen 4 for the F16, Q4_K_M (repacked) and Q4_1 models, with chunks of
+        69–385 rows: every row alike (a chunk of <= 64 rows differs: other kernels).  Then a
+        chat's next turn keeps its conversation's cells (llama.streams.exact_reuse)."""
+        inv, view = self.mc.invariant_rows, self.mc.seq(self._free[0])
+        n = 2 * inv + 8
+        if n + 1 > min(self.mc.n_batch, view.n_ctx):
+            return None
+        text = self.eng._prompt_tokens(WARM_UP_TEXT)
+        toks = (text * (n // max(1, len(text)) + 1))[:n]
+        try:
+            view.clear()
+            one = view.eval(toks, n_out=1)[0].copy()
+            view.clear()
+            view.eval(toks[:inv + 1], n_out=0)
+            two = view.eval(toks[inv + 1:], n_out=1)[0].copy()
+        except Exception:  # noqa: BLE001 - not measured: reuse stays as without it
+            return None
+        finally:
+            view.clear()
+        return bool(np.array_equal(one, two))
 
     def _probe_switch(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
         """The round's plan (:meth:`_plan_costly`), its drafting shape timed first where a switch
@@ -670,6 +707,8 @@ class Scheduler:
         state = self.eng.controllers.batch_state()
         if not state:
             return
+        if isinstance(state.get("wide_alike"), bool):
+            self.wide_alike = state["wide_alike"]
         self.cost.import_state(state.get("cost") or {})
         if self.dmc is not None and self.eng.drafter_kind == "model":
             try:
@@ -689,7 +728,7 @@ class Scheduler:
         self._saved_at = time.perf_counter()
         if self.rounds or self.cost.observed():  # (warm_up may have timed forwards before any round)
             self.eng.controllers.keep_batch_state({"cost": self.cost.export_state(), "mode": self.mode.export_state(),
-                                                   "catch": list(self._catch)})
+                                                   "catch": list(self._catch), "wide_alike": self.wide_alike})
         self.eng.controllers.save()
 
     def _guard(self, s: _Seq, fn):

@@ -419,3 +419,7 @@ def test_doctor_summarises_what_batched_rounds_learned():
     line = _learned_summary(entry)
     assert line == "batched rounds: 2 shapes timed; drafting / plain rate per load 2: 1.50x, 8: 0.75x"
     assert _learned_summary({"cost": {}, "mode": {"rates": [[8, True, "x", 1, 1, 1]]}}) == "batched rounds (unreadable)"
+    # the warm-up's wide-chunk verdict, alone (before any round) or with the rest
+    assert _learned_summary({"wide_alike": True}) == ("batched rounds: 0 shapes timed; prompt chunks of over 64 rows "
+                                                      "compute rows alike (a chat's next turn keeps its conversation)")
+    assert _learned_summary({**entry, "wide_alike": False}).endswith("differ by length (a longer prompt re-evaluates them)")

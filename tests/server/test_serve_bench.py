@@ -244,3 +244,19 @@ def test_the_sweep_without_the_server_extra_is_a_one_line_hint(tiny_target, monk
     r = invoke("bench", "-m", tiny_target, "--clients", "1")
     line = one_error_line(r)
     assert needle in line and "mars-local[server]" in line
+
+
+@pytest.mark.slow  # starts `mars serve`
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_chat_turns_reports_what_each_turn_took_from_the_cache(tiny_target, tiny_draft, tmp_path, parallel):
+    out = tmp_path / "turns.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chat_turns.py"), "-m", tiny_target, "-md", tiny_draft,
+                        "--parallel", str(parallel), "--turns", "3", "-n", "8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    turns = json.loads(out.read_text())["turns"]
+    assert len(turns) == 3 and p.stdout.count("time to first token") == 3
+    assert turns[0]["prompt_tokens"] < turns[1]["prompt_tokens"] < turns[2]["prompt_tokens"]
+    assert all(t["ttft_ms"] > 0 for t in turns) and turns[0]["cached_tokens"] <= 2
+    if parallel == 1:  # one at a time: the conversation so far comes from the cache
+        assert all(t["cached_tokens"] >= turns[i]["prompt_tokens"] - 1 for i, t in enumerate(turns[1:]))

@@ -356,6 +356,28 @@ def toks(n, start=0):
 ])
 def test_exact_reuse_keeps_only_rows_computed_by_the_same_kernels(cached, old_prompt, new, expect):
     assert exact_reuse(cached, old_prompt, new, 512) == expect
+    if expect == 0 or len(new) <= 64:  # (wide_alike changes only what wide chunks keep)
+        return
+    assert exact_reuse(cached, old_prompt, new, 512, wide_alike=True) >= expect
+
+
+@pytest.mark.parametrize("cached, old_prompt, new, expect", [
+    # a chat's next turn: the old prompt (276, one wide chunk) and its answer (windows), then more:
+    # the old prompt's rows but the last 65, computed again with the new tokens in a wide decode
+    (toks(300), 276, toks(300) + [999] * 45, 276),      # a 345-row chunk: 276 kept, 69 rows again
+    (toks(300), 276, toks(290) + [999] * 10, 235),      # a 300-row chunk: 235 kept, 65 again
+    (toks(120), 120, toks(90) + [999] * 10, 35),         # chunks of > 64 rows that end elsewhere
+    (toks(600), 600, toks(600) + [999] * 10, 545),       # a whole chunk, then 98 rows: 33 of them kept
+    (toks(120), 120, toks(40) + [999] * 10, 0),          # a new chunk of <= 64 rows: not from a wide one
+    (toks(80), 30, toks(60) + [999] * 10, 0),            # a new wide chunk over invariant old rows
+    (toks(300), 276, toks(276) + [999] * 10, 221),       # 10 new tokens: 65 rows again (a wide decode)
+])
+def test_exact_reuse_of_wide_chunks_where_they_compute_rows_alike(cached, old_prompt, new, expect):
+    """``wide_alike`` (measured per model): rows of a wide chunk (> 64 rows) are kept from any wide
+    chunk, the new chunk's last 65 rows at least computed again so that its decode stays wide."""
+    got = exact_reuse(cached, old_prompt, new, 512, wide_alike=True)
+    assert got == expect
+    assert exact_reuse(cached, old_prompt, new, 512, wide_alike=False) <= got
 
 
 # ---------------------- the prompt's last token rides in its last chunk (pure), the first token at once
@@ -1217,8 +1239,10 @@ def test_warm_up_times_the_forwards_before_any_request_and_keeps_them(tiny_targe
             sched.close()
     with Engine(tiny_target, drafter="none", n_ctx=256, n_threads=2, learned=False) as eng:
         sched = Scheduler(eng, 2)
-        try:  # no draft-length controller: nothing to plan, nothing timed
-            assert sched.warm_up() == 0.0 and not sched.calibrated and not sched.cost.timed(1)
+        try:  # no draft-length controller: nothing to plan, nothing timed; only the wide probe
+            sched.warm_up()
+            assert not sched.calibrated and not sched.cost.timed(1) and sched.wide_alike is not None
+            assert sched.warm_up() == 0.0
         finally:
             sched.close()
 
@@ -1404,3 +1428,34 @@ def test_a_timing_forward_that_fails_leaves_no_rows_behind(engines, monkeypatch)
         sched._time_views([(v, v.tokens[-1]) for v in views], 4, 1.0)
     assert [(v.n_past, list(v.tokens)) for v in views] == held
     sched.close()
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_a_chats_next_turn_keeps_its_conversation_and_stays_exact(engines, drafter):
+    """A chat's next turn is its conversation so far plus a new message.  Batched, its prompt
+    (over 64 tokens: one wide chunk) was evaluated again at every turn, as the old prompt's
+    chunk ended elsewhere (10x the time to first token of a lone server on the Q4_K_M stand-in,
+    BENCHMARKS.md run 36).  Where the warm-up measured that this target's wide chunks compute
+    rows alike (as on every CPU build measured), the turn keeps all but the last 65 rows, and
+    its strict greedy output still equals a lone run of the whole prompt from an empty cache."""
+    from mars_local import GenerateConfig
+
+    eng = engines[drafter]
+    sched = Scheduler(eng, 2)
+    sched.warm_up(GenerateConfig.make(verify="strict"))
+    assert sched.wide_alike is not None  # measured (True on every CPU build measured so far)
+    system = eng.tokenize("the quick brown fox jumps over the lazy dog " * 12)[:100]
+    first = sched.submit(system, max_tokens=12, temperature=0, ignore_eos=True, verify="strict").result()
+    turn = system + first.tokens + eng.tokenize(" and then the dog")[:6]
+    second = sched.submit(turn, max_tokens=16, temperature=0, ignore_eos=True, verify="strict").result()
+    if sched.wide_alike:
+        assert second.stats.n_prompt_evaluated < len(turn) - 40  # the conversation's cells kept
+    eng.reset()
+    assert second.tokens == plain(eng, turn, 16)  # exactly a lone run's, from an empty cache
+    cold = Scheduler(eng, 2)
+    cold.wide_alike = False  # (not measured: the old rule)
+    cold.submit(system, max_tokens=12, temperature=0, ignore_eos=True, verify="strict").result()
+    again = cold.submit(turn, max_tokens=16, temperature=0, ignore_eos=True, verify="strict").result()
+    assert again.stats.n_prompt_evaluated == len(turn) - 1 and again.tokens == second.tokens
+    sched.close()
+    cold.close()
