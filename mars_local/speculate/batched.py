@@ -405,11 +405,12 @@ class Scheduler:
         rows, against the same tokens in two chunks of more than the bound each, bit for bit.
         Measured on this Zen 4 for the F16, Q4_K_M (repacked) and Q4_1 models, with chunks of
         69–385 rows: every row alike (a chunk of <= 64 rows differs: other kernels).  Then a
-        chat's next turn keeps its conversation's cells (llama.streams.exact_reuse)."""
+        chat's next turn keeps its conversation's cells (llama.streams.exact_reuse).  Not
+        measured (None) with the target on a GPU, nor where a chunk of that size does not fit."""
         inv, view = self.mc.invariant_rows, self.mc.seq(self._free[0])
         n = 2 * inv + 8
-        if n + 1 > min(self.mc.n_batch, view.n_ctx):
-            return None
+        if n + 1 > min(self.mc.n_batch, view.n_ctx) or self.eng.target.offloaded:
+            return None  # (a GPU's kernels are chosen by shape, e.g. split-K: two lengths prove little)
         text = self.eng._prompt_tokens(WARM_UP_TEXT)
         toks = (text * (n // max(1, len(text)) + 1))[:n]
         try:

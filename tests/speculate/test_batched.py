@@ -1459,3 +1459,17 @@ def test_a_chats_next_turn_keeps_its_conversation_and_stays_exact(engines, draft
     assert again.stats.n_prompt_evaluated == len(turn) - 1 and again.tokens == second.tokens
     sched.close()
     cold.close()
+
+
+def test_the_wide_chunk_probe_is_not_made_on_a_gpu_nor_where_the_chunk_does_not_fit(engines, monkeypatch):
+    """A GPU's kernels are chosen by shape (two lengths prove little there), and a context or
+    batch smaller than the probe's chunk cannot run it: not measured, reuse stays as without it."""
+    eng = engines["ngram"]
+    monkeypatch.setattr(eng.target, "offloaded", True)
+    sched = Scheduler(eng, 2)
+    assert sched._probe_wide() is None
+    monkeypatch.undo()
+    assert sched._probe_wide() is not None and [sched.mc.seq(i).n_past for i in range(2)] == [0, 0]
+    sched.mc.n_batch = 64
+    assert sched._probe_wide() is None
+    sched.close()
