@@ -151,8 +151,8 @@ def _init_grammar(C, vocab, text: bytes, root: bytes, triggers: tuple[str, ...] 
         if "error parsing grammar:" in line:
             why = line.split("error parsing grammar:", 1)[1].strip()
             break
-    if not why:
-        why = _last_llama_error().strip()
+    if not why:  # (what llama.cpp logged while it refused: the log was cleared before)
+        why = _last_llama_error().strip() or next((ln.strip() for ln in reversed(_recent_log) if ln.strip()), "")
     if len(why) > 160:
         why = why[:157] + "..."
     raise MarsError("invalid GBNF grammar" + (f": {why}" if why else ""))

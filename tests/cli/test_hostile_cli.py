@@ -86,6 +86,11 @@ def test_an_invalid_grammar_is_one_line_without_llama_cpp_output(tiny_target, en
     assert one_error(p) == "error: invalid GBNF grammar: unexpected end of input"
     p = mars("run", "hi", "-m", tiny_target, "-t", 1, "-n", 2, "--grammar", "root ::= nothing-here", env=env)
     assert "nothing-here" in one_error(p)
+    # llama.cpp's reason where its log line does not say "error" (the message said nothing more)
+    for grammar, why in [('foo ::= "a"', "grammar does not contain a 'root' symbol"),
+                         ('root ::= root "a" | "b"', "left recursion detected")]:
+        p = mars("run", "hi", "-m", tiny_target, "-t", 1, "-n", 2, "--grammar", grammar, env=env)
+        assert one_error(p).startswith("error: invalid GBNF grammar: ") and why in one_error(p)
 
 
 def test_serve_refuses_to_start_with_an_invalid_grammar(tiny_target, env):
