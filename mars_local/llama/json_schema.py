@@ -8,7 +8,7 @@ import re
 
 from ..core.errors import MarsError
 
-__all__ = ["MAX_REPEAT", "check_repeats", "schema_to_gbnf"]
+__all__ = ["MAX_REPEAT", "precheck_schema", "schema_to_gbnf"]
 
 # The converter spells every repetition out: minItems 100000000 wrote a 1.8 GB grammar (14 s,
 # several GB of memory, `mars serve`'s event loop blocked) before its size was checked.  A
@@ -17,12 +17,15 @@ __all__ = ["MAX_REPEAT", "check_repeats", "schema_to_gbnf"]
 MAX_REPEAT = 100_000
 _COUNTS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
                      "minContains", "maxContains"})
+_CHOICES = frozenset({"enum", "anyOf", "oneOf"})
 _REGEX_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # a pattern's {m}, {m,} or {m,n}
 
 
-def check_repeats(schema) -> None:
-    """MarsError naming the first count in ``schema`` (a parsed JSON Schema) that asks for more
-    than MAX_REPEAT repetitions: a keyword (minItems, maxLength, ...) or a pattern's {m,n}."""
+def precheck_schema(schema) -> None:
+    """MarsError naming what in ``schema`` (a parsed JSON Schema) the converter cannot turn into a
+    grammar worth having: a count asking for more than MAX_REPEAT repetitions (a keyword: minItems,
+    maxLength, ...; or a pattern's {m,n}), or an empty enum/anyOf/oneOf, which no value matches
+    (the converter wrote an invalid grammar, refused with a parser's message about GBNF)."""
     stack = [schema]
     while stack:  # (iterative: a deeply nested schema must not overflow the stack)
         x = stack.pop()
@@ -35,6 +38,8 @@ def check_repeats(schema) -> None:
                         shown = f"{v:,}" if isinstance(v, int) else f"{v:g}"
                         raise MarsError(f"the JSON schema's {key} {shown} is more than a grammar can spell out "
                                         f"(at most {MAX_REPEAT:,})")
+                elif key in _CHOICES and isinstance(v, list) and not v:
+                    raise MarsError(f"the JSON schema has an empty {key}: no value matches it")
                 elif key == "pattern" and isinstance(v, str):
                     for m in _REGEX_REPEAT.finditer(v):
                         n = max(int(g) for g in m.groups() if g)
@@ -47,9 +52,9 @@ def check_repeats(schema) -> None:
 
 def schema_to_gbnf(schema_json: str, prop_order: list[str] | None = None) -> str:
     """The GBNF grammar (start rule ``root``) of the documents ``schema_json`` accepts; MarsError
-    for a repetition too large to spell out (:func:`check_repeats`), else the converter's own
+    for a schema it cannot make a grammar of (:func:`precheck_schema`), else the converter's own
     exceptions pass through."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    check_repeats(json.loads(schema_json))
+    precheck_schema(json.loads(schema_json))
     return json_schema_to_gbnf(schema_json, prop_order=prop_order)

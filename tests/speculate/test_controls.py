@@ -484,3 +484,13 @@ def test_a_schema_repeating_past_any_grammar_is_refused_before_it_is_spelled_out
     monkeypatch.setattr(lg, "json_schema_to_gbnf", real)
     assert "root ::=" in grammar_from_json_schema({"type": "array", "minItems": 100_000 // 20, "maxItems": 100_000 // 20,
                                                    "items": {"type": "integer"}})
+
+
+@pytest.mark.parametrize("schema, key", [({"enum": []}, "enum"),
+                                         ({"type": "object", "properties": {"a": {"anyOf": []}}}, "anyOf"),
+                                         ({"type": "array", "items": {"oneOf": []}}, "oneOf")])
+def test_a_schema_no_value_matches_is_named_not_a_gbnf_parse_error(schema, key):
+    """An empty enum/anyOf/oneOf: the converter wrote a grammar llama.cpp could not parse, and the
+    user read about GBNF ("expecting newline or end at ::= ...") for a JSON schema."""
+    with pytest.raises(MarsError, match=f"^the JSON schema has an empty {key}: no value matches it$"):
+        grammar_from_json_schema(schema)
