@@ -64,7 +64,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
 
     table = Table(box=None, header_style="bold")
     for col in ("NAME", "TARGET", "DRAFT", "DRAFTER", "θ", "K", "MTP", "LOCAL", "SIZE"):
-        table.add_column(col, no_wrap=col in ("NAME", "LOCAL", "SIZE"))
+        table.add_column(col, no_wrap=col in ("NAME", "LOCAL", "SIZE"), overflow="fold")  # (names never cut)
     for r in rows:
         parts = [r["target"]] + ([r["draft"]] if r["draft"] else [])
         present = all(p["present"] for p in parts)
@@ -80,7 +80,10 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print the registr
             "yes" if present else "no",
             _size(size),
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped (grep, a file): whole lines, not folded to 80 columns
+        console = Console(width=1000)
+    console.print(table)
     echo(f"registry: {', '.join(reg.sources)}; `mars pull NAME` downloads a pair, --json shows the sources; "
          "MTP: the target's multi-token-prediction layers (--drafter mtp), ? until downloaded")
 

@@ -239,6 +239,9 @@ def test_models_json_and_user_registry(tmp_path, tiny_target):
     assert len(obj["sources"]) == 2
     table = invoke("models", env={"MARS_CONFIG_DIR": str(user)})
     assert table.exit_code == 0 and "mine" in table.stdout
+    # piped, every file name whole on its row (they were cut to "Qwen2.…" at 80 columns)
+    rows = {line.split()[0]: line for line in table.stdout.splitlines() if line.strip()}
+    assert "Qwen2.5-7B-Instruct-Q4_K_M.gguf" in rows["qwen2.5-7b"] and "…" not in table.stdout
     (user / "models.yaml").write_text("models: [unclosed")
     assert "registry" in one_error_line(invoke("models", env={"MARS_CONFIG_DIR": str(user)}))
 
