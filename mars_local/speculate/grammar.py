@@ -155,7 +155,7 @@ def _init_grammar(C, vocab, text: bytes, root: bytes, triggers: tuple[str, ...] 
         why = _last_llama_error().strip() or next((ln.strip() for ln in reversed(_recent_log) if ln.strip()), "")
     if len(why) > 160:
         why = why[:157] + "..."
-    raise MarsError("invalid GBNF grammar" + (f": {why}" if why else ""))
+    raise MarsError("invalid GBNF grammar" + (f": {why}" if why else ""), field="grammar")  # (a server: 400, param)
 
 
 class _captured_stderr:

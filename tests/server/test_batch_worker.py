@@ -276,3 +276,25 @@ def test_a_grammar_no_token_continues_is_the_clients_error(smollm2, parallel):
     body = err.body()["error"]
     assert kind == "error" and err.status == 400 and body["param"] == "grammar"
     assert body["type"] == "invalid_request_error" and "allows no token" in body["message"]
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_an_invalid_grammar_is_a_400_naming_the_grammar(engine, parallel):
+    """A request's grammar llama.cpp cannot parse: 400 with param "grammar" (it was null), on
+    both workers, with llama.cpp's reason."""
+    from mars_local.server.worker import Worker
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = BatchWorker(engine, queue_size=4, parallel=2) if parallel > 1 else Worker(engine, queue_size=4)
+        try:
+            job = Job(parse_completion({"prompt": "hi", "max_tokens": 4, "grammar": 'foo ::= "a"'}, D), loop)
+            w.submit(job)
+            return await collect(job)
+        finally:
+            assert w.stop(30)
+
+    _, kind, err = asyncio.run(main())
+    body = err.body()["error"]
+    assert kind == "error" and err.status == 400 and body["param"] == "grammar"
+    assert "invalid GBNF grammar" in body["message"] and "root" in body["message"]
