@@ -114,9 +114,13 @@ def _serve(eng, sock, choice, cfg, *, host: str, alias: Optional[str], api_key: 
         if not is_loopback(host) and api_key is None:
             warn(f"listening on {host} without --api-key: anyone who can reach this port can use the model")
 
-    run_server(app, sock, ready, on_shutdown=worker.cancel_all)  # requests in flight end with a 503 at once
-    # uvicorn skips the app's shutdown when forced (a second Ctrl-C): stop the worker here too
-    _stop_worker(worker, sock)
+    try:
+        run_server(app, sock, ready, on_shutdown=worker.cancel_all)  # requests in flight end with a 503 at once
+    finally:
+        # uvicorn skips the app's shutdown when forced (a second Ctrl-C), and re-raises the Ctrl-C
+        # it caught once it returns: the worker is stopped here too, before the models are freed
+        # (a forward still running, a long prompt's prefill, would crash on freed weights)
+        _stop_worker(worker, sock)
 
 
 def _stop_worker(worker, sock) -> None:

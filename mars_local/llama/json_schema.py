@@ -18,6 +18,8 @@ MAX_REPEAT = 100_000
 _COUNTS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minProperties", "maxProperties",
                      "minContains", "maxContains"})
 _CHOICES = frozenset({"enum", "anyOf", "oneOf"})
+_DATA = frozenset({"enum", "const", "default", "examples"})  # keywords whose values are JSON data
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _REGEX_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # a pattern's {m}, {m,} or {m,n}
 
 
@@ -40,6 +42,10 @@ def precheck_schema(schema) -> None:
                                         f"(at most {MAX_REPEAT:,})")
                 elif key in _CHOICES and isinstance(v, list) and not v:
                     raise MarsError(f"the JSON schema has an empty {key}: no value matches it")
+                elif key in _NAMED and isinstance(v, dict):  # name -> schema (a property may be named "const")
+                    stack.extend(v.values())
+                elif key in _DATA:  # (values, not schemas: {"const": {"maxLength": 1e9}} is no count)
+                    continue
                 elif key == "pattern" and isinstance(v, str):
                     for m in _REGEX_REPEAT.finditer(v):
                         n = max(int(g) for g in m.groups() if g)

@@ -146,7 +146,8 @@ class BatchWorker(Worker):
                 print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 self._finish(job, "error", ("error", ApiError(500, f"generation failed: {exc}", type="server_error")))
                 continue
-            if job.cancelled:  # (_finish cancels its sequence)
+            if job.cancelled or self._stopping.is_set():  # (_finish cancels its sequence; a job that
+                # started while cancel_all ran was in none of the places it looks)
                 final = (("error", ApiError(503, "the server is shutting down", type="server_error"))
                          if self._stopping.is_set() else None)
                 self._finish(job, "cancelled", final)

@@ -245,7 +245,8 @@ class Scheduler:
         if not view.tokens:
             return 0
         return view.reachable(exact_reuse(view.tokens, self._prompt_len[slot], prompt, self.mc.n_batch,
-                                          self.mc.invariant_rows, wide_alike=self.wide_alike is True))
+                                          self.mc.invariant_rows,
+                                          wide_alike=self.wide_alike is True and not self.eng.target.offloaded))
 
     def _longest_prefix(self, prompt: list[int], slots, floor: int) -> tuple[int | None, int]:
         """Of ``slots``, the first whose cells give the longest exact prefix of ``prompt`` longer
@@ -708,7 +709,7 @@ class Scheduler:
         state = self.eng.controllers.batch_state()
         if not state:
             return
-        if isinstance(state.get("wide_alike"), bool):
+        if isinstance(state.get("wide_alike"), bool) and not self.eng.target.offloaded:  # (_probe_wide)
             self.wide_alike = state["wide_alike"]
         self.cost.import_state(state.get("cost") or {})
         if self.dmc is not None and self.eng.drafter_kind == "model":

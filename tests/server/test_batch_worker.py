@@ -298,3 +298,43 @@ def test_an_invalid_grammar_is_a_400_naming_the_grammar(engine, parallel):
     body = err.body()["error"]
     assert kind == "error" and err.status == 400 and body["param"] == "grammar"
     assert "invalid GBNF grammar" in body["message"] and "root" in body["message"]
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_shutting_down_while_a_request_starts_still_ends_it_with_a_503(engine, parallel, monkeypatch):
+    """cancel_all (a Ctrl-C on mars serve) while the thread tokenizes a request's prompt: the job is
+    then in neither the queue nor the running ones, and the BatchWorker let it run to its end
+    (400 tokens) for uvicorn to cancel with a traceback.  It ends at once with the 503."""
+    import time
+
+    from mars_local.server.worker import Worker
+
+    cls = BatchWorker if parallel > 1 else Worker
+    real = cls._prompt
+
+    def slow_prompt(self, job):  # a long prompt tokenized, or a chat template rendered
+        time.sleep(0.5)
+        return real(self, job)
+
+    monkeypatch.setattr(cls, "_prompt", slow_prompt)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = cls(engine, queue_size=4, parallel=2) if parallel > 1 else cls(engine, queue_size=4)
+        try:
+            job = Job(parse_completion({"prompt": "hello world", "max_tokens": 400, "ignore_eos": True}, D), loop)
+            w.submit(job)
+            await asyncio.sleep(0.2)  # the thread is inside _prompt now
+            w.cancel_all()
+            toks = []
+            while True:
+                kind, value = await asyncio.wait_for(job.events.get(), 60)
+                if kind == "chunk":
+                    toks.extend(value[0].tokens)
+                elif kind in ("done", "error"):
+                    return toks, kind, value
+        finally:
+            assert w.stop(30)
+
+    toks, kind, value = asyncio.run(main())
+    assert kind == "error" and value.status == 503 and len(toks) < 400

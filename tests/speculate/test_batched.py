@@ -1473,3 +1473,15 @@ def test_the_wide_chunk_probe_is_not_made_on_a_gpu_nor_where_the_chunk_does_not_
     sched.mc.n_batch = 64
     assert sched._probe_wide() is None
     sched.close()
+    # a verdict kept by a CPU run of the same build and models is not taken up on a GPU either
+    monkeypatch.setattr(eng.controllers, "batch_state", lambda: {"wide_alike": True})
+    monkeypatch.setattr(eng.target, "offloaded", True)
+    gpu = Scheduler(eng, 2)
+    assert gpu.wide_alike is None
+    gpu.wide_alike = True  # (however it got there, reuse on a GPU keeps the old rule)
+    gpu.mc.seq(0).tokens = list(range(300))
+    gpu._prompt_len[0] = 299
+    assert gpu._reuse(0, list(range(305))) == 0
+    monkeypatch.undo()
+    gpu.mc.seq(0).tokens = []
+    gpu.close()

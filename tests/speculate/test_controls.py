@@ -494,3 +494,13 @@ def test_a_schema_no_value_matches_is_named_not_a_gbnf_parse_error(schema, key):
     user read about GBNF ("expecting newline or end at ::= ...") for a JSON schema."""
     with pytest.raises(MarsError, match=f"^the JSON schema has an empty {key}: no value matches it$"):
         grammar_from_json_schema(schema)
+
+
+def test_the_schema_bounds_read_schemas_not_data():
+    """Counts inside data (a const, an enum's values, a default) are no repetition and pass; a
+    property named like a data keyword is still a schema, its counts still bounded."""
+    assert "root ::=" in grammar_from_json_schema({"const": {"maxLength": 200_000}})
+    assert "root ::=" in grammar_from_json_schema({"enum": [{"minItems": 10 ** 9}, 1]})
+    with pytest.raises(MarsError, match="minItems 100,000,000"):
+        grammar_from_json_schema({"type": "object", "properties": {"default": {
+            "type": "array", "minItems": 100_000_000, "items": {"type": "integer"}}}})
