@@ -21,10 +21,6 @@ _MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "llama3": ("<|python_tag|
             "mistral": ("[TOOL_CALLS]", "[ARGS]")}
 
 _REF = re.compile(r'"\$ref": "#(?:/(?:\$defs|definitions)/([^"]*))?"')
-# llama-cpp-python's converter lets a string hold raw control characters, which JSON forbids
-# (the same fix as mars_local.speculate.grammar's, which this layer may not import)
-_LAX_CHAR = r'char ::= [^"\\] |'
-_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 _GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[A-Za-z0-9_-]+|\s+|.', re.S)
 
 
@@ -99,7 +95,7 @@ def tools_gbnf(fmt: str, tools: tuple[Tool, ...], choice: ToolChoice, parallel: 
     except Exception as exc:  # the converter raises bare exceptions on schemas it does not support
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise MarsError(f"cannot convert the tools' parameters to a grammar: {msg}", field="tools") from None
-    gbnf = gbnf.replace(_LAX_CHAR, _JSON_CHAR).rstrip("\n") + "\n"
+    gbnf = gbnf.rstrip("\n") + "\n"  # (control characters already excluded: llama.json_schema)
     if re.search(r"(?m)^(call|mistral-call) ::=", gbnf):
         raise MarsError("a tool's parameters define a rule named 'call'", field="tools")  # pragma: no cover
     gbnf = "".join("call" if tok == "root" else tok for tok in _GBNF_TOKEN.findall(gbnf))

@@ -20,6 +20,8 @@ _COUNTS = frozenset({"minItems", "maxItems", "minLength", "maxLength", "minPrope
 _CHOICES = frozenset({"enum", "anyOf", "oneOf"})
 _DATA = frozenset({"enum", "const", "default", "examples"})  # keywords whose values are JSON data
 _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_LAX_CHAR = r'char ::= [^"\\] |'
+_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 _REGEX_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")  # a pattern's {m}, {m,} or {m,n}
 
 
@@ -57,10 +59,13 @@ def precheck_schema(schema) -> None:
 
 
 def schema_to_gbnf(schema_json: str, prop_order: list[str] | None = None) -> str:
-    """The GBNF grammar (start rule ``root``) of the documents ``schema_json`` accepts; MarsError
+    """The GBNF grammar (start rule ``root``) of the documents ``schema_json`` accepts (JSON strings
+    without raw control characters); MarsError
     for a schema it cannot make a grammar of (:func:`precheck_schema`), else the converter's own
     exceptions pass through."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
     precheck_schema(json.loads(schema_json))
-    return json_schema_to_gbnf(schema_json, prop_order=prop_order)
+    # the pinned converter's string character allows raw control characters, which JSON forbids
+    # (llama.cpp's own converter and JSON_GBNF exclude them): excluded here, for every caller
+    return json_schema_to_gbnf(schema_json, prop_order=prop_order).replace(_LAX_CHAR, _JSON_CHAR)

@@ -21,7 +21,7 @@ from ..chat.tokens import TokenizingCancelled
 from ..core.errors import MarsError
 from ..speculate.batched import Scheduler
 from .requests import ApiError
-from .worker import Job, Worker, generation_error
+from .worker import Job, Worker, generation_error, unexpected_error
 
 __all__ = ["BatchWorker"]
 
@@ -79,10 +79,9 @@ class BatchWorker(Worker):
                 try:
                     self.sched.step(after_prefill=self._deliver)  # first tokens before the round
                 except BaseException as exc:  # never let the loop die: fail what runs
-                    print(f"mars serve: a round failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    err = unexpected_error("a round", exc)
                     for job in list(self.active):
-                        self._finish(job, "error", ("error", ApiError(500, f"generation failed: {exc}",
-                                                                      type="server_error")))
+                        self._finish(job, "error", ("error", err))
                 self._deliver()
 
     def _admit(self) -> bool:
@@ -119,8 +118,7 @@ class BatchWorker(Worker):
             self._done(job, "rejected", ("error", ApiError(400, str(exc), param=exc.field)))
             return
         except Exception as exc:  # noqa: BLE001 - this request fails, the thread goes on
-            print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            self._done(job, "error", ("error", ApiError(500, f"generation failed: {exc}", type="server_error")))
+            self._done(job, "error", ("error", unexpected_error(f"request {job.number}", exc)))
             return
         job.stats = stream.stats
         job.emit("start", len(tokens))
@@ -143,8 +141,7 @@ class BatchWorker(Worker):
                 self._finish(job, "error", ("error", generation_error(exc)))
                 continue
             except Exception as exc:  # noqa: BLE001 - one request's failure
-                print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                self._finish(job, "error", ("error", ApiError(500, f"generation failed: {exc}", type="server_error")))
+                self._finish(job, "error", ("error", unexpected_error(f"request {job.number}", exc)))
                 continue
             if job.cancelled or self._stopping.is_set():  # (_finish cancels its sequence; a job that
                 # started while cancel_all ran was in none of the places it looks)

@@ -51,6 +51,13 @@ def generation_error(exc: MarsError) -> ApiError:
     return ApiError(500, str(exc), type="server_error")
 
 
+def unexpected_error(what: str, exc: BaseException) -> ApiError:
+    """The answer to a failure no path expected (``what`` failed: a request, a round), said on
+    stderr too: a 500, the generation thread going on."""
+    print(f"mars serve: {what} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return ApiError(500, f"generation failed: {exc}", type="server_error")
+
+
 class Job:
     """One request in the queue or on the engine."""
 
@@ -182,8 +189,7 @@ class Worker:
             try:
                 outcome, final = self._generate(job)
             except BaseException as exc:  # never let one request end the thread
-                print(f"mars serve: request {job.number} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                final = ("error", ApiError(500, f"generation failed: {exc}", type="server_error"))
+                final = ("error", unexpected_error(f"request {job.number}", exc))
             finally:
                 self.running = None
             self._done(job, outcome, final)

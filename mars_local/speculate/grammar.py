@@ -55,20 +55,15 @@ def _schema_gbnf(schema: str | dict) -> str:
     if not isinstance(obj, dict):
         raise MarsError("a JSON schema must be a JSON object")
     try:
-        gbnf = schema_to_gbnf(text)
+        return schema_to_gbnf(text)
     except MarsError:
         raise
     except Exception as exc:  # the converter raises bare exceptions on schemas it does not support
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise MarsError(f"cannot convert the JSON schema to a grammar: {msg}") from None
-    # The pinned converter's string character allows raw control characters, which JSON
-    # forbids (llama.cpp's own converter and JSON_GBNF exclude them): exclude them too.
-    return gbnf.replace(_LAX_CHAR, _JSON_CHAR)
 
 
 _FIRST_CANDIDATES = 64  # mask(row, need): the best candidates checked before the whole vocabulary
-_LAX_CHAR = r'char ::= [^"\\] |'
-_JSON_CHAR = r'char ::= [^"\\\x7F\x00-\x1F] |'
 
 
 def load_grammar_option(grammar_file: str | Path | None = None, json_schema: str | None = None,

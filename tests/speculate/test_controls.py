@@ -294,7 +294,7 @@ def test_json_schema_output_with_sampling_and_speculation_always_parses(tiny_tar
 
 def test_schema_strings_exclude_control_characters():
     """JSON forbids raw control characters in strings; the converter's rule is tightened."""
-    from mars_local.speculate.grammar import _JSON_CHAR, _LAX_CHAR
+    from mars_local.llama.json_schema import _JSON_CHAR, _LAX_CHAR
 
     gbnf = grammar_from_json_schema(PERSON)
     assert _JSON_CHAR in gbnf and _LAX_CHAR not in gbnf
