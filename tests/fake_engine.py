@@ -48,6 +48,9 @@ class FakeStream:
     def close(self) -> None:
         self._chunks.close()
 
+    def cancel(self) -> None:  # (nothing in progress to stop between two chunks here)
+        pass
+
     def __enter__(self):
         return self
 

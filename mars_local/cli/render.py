@@ -47,10 +47,13 @@ def format_stats(s, choice, context: Optional[str] = None) -> str:
     """An ollama-style summary with the speculation counters (``context``: see
     :meth:`mars_local.cli.flags.GenOptions.context_line`)."""
     share = f", {s.relaxed_share:.0%} of accepts relaxed" if s.n_accepted else ""
+    # stopped before the first token: the prompt's rest may never have been evaluated, cached or not
+    rest = " before the interruption" if s.stop_reason == "interrupted" and not s.n_generated else \
+        ", rest reused from cache"
     lines = [
         f"model:                {choice.label} (drafter: {choice.drafter})",
         *([f"context size:         {context}"] if context else []),
-        f"prompt eval count:    {s.n_prompt} token(s) ({s.n_prompt_evaluated} evaluated, rest reused from cache)",
+        f"prompt eval count:    {s.n_prompt} token(s) ({s.n_prompt_evaluated} evaluated{rest})",
         f"prompt eval duration: {s.time_prompt_s * 1000:.1f} ms",
         f"eval count:           {s.n_generated} token(s)",
         f"eval duration:        {s.time_decode_s * 1000:.1f} ms"

@@ -6,7 +6,7 @@ Pure (no llama.cpp): :class:`GenerateConfig` validates on construction;
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -185,10 +185,12 @@ class Stream(Iterator[Chunk]):
     block, or the stream being collected), stop_reason included.
     """
 
-    def __init__(self, chunks: Iterator[Chunk], stats: SpecStats, config: GenerateConfig | None = None):
+    def __init__(self, chunks: Iterator[Chunk], stats: SpecStats, config: GenerateConfig | None = None,
+                 cancel: Callable[[], None] | None = None):
         self._chunks = chunks
         self.stats = stats
         self.config = config if config is not None else GenerateConfig()
+        self._cancel = cancel
 
     def __iter__(self) -> "Stream":
         return self
@@ -200,6 +202,14 @@ class Stream(Iterator[Chunk]):
         """Stop the generation here: stop_reason "interrupted" unless it had ended
         (a stream closed before its first chunk never started: its stats stay empty)."""
         self._chunks.close()
+
+    def cancel(self) -> None:
+        """Ask the generation to stop, from any thread (e.g. a server's event loop while another
+        thread iterates): a prompt's chunk being evaluated stops within milliseconds and the
+        stream then ends with stop_reason "interrupted" instead of its next chunk; a verify
+        round in progress finishes first.  (A Stream made without ``cancel`` ignores it.)"""
+        if self._cancel is not None:
+            self._cancel()
 
     def __enter__(self) -> "Stream":
         return self

@@ -5,7 +5,10 @@ loads, each through a Python callback (:mod:`mars_local.llama.backend`), so a Ct
 default handler raised there was lost, and e.g. `mars serve` went on to start.  The CLI's SIGINT
 handler (:func:`install`) raises KeyboardInterrupt as the default one does, except in such a
 callback: there it sends the signal again a moment later, from a short-lived thread, and it is
-raised once the main thread runs Python outside a callback.  Imports nothing of llama.cpp.
+raised once the main thread runs Python outside a callback.  In the callback that can stop the C
+call it runs in (a long llama_decode's abort callback: :mod:`mars_local.llama.abort`) the handler
+only records the Ctrl-C (:func:`take_stop`): the decode stops within a node and the caller raises
+KeyboardInterrupt.  Imports nothing of llama.cpp.
 """
 
 from __future__ import annotations
@@ -15,20 +18,38 @@ import signal
 import threading
 import time
 
-__all__ = ["CALLBACK_CODES", "handle_sigint", "install", "wait_through"]
+__all__ = ["CALLBACK_CODES", "STOPPING_CODES", "handle_sigint", "install", "ours", "stop_asked", "take_stop",
+           "wait_through"]
 
 # code objects of the Python functions C calls back (llama/backend.py adds its log callback's)
 CALLBACK_CODES: set = set()
+# code objects of those that stop the C call they run in when asked (llama/abort.py adds its one)
+STOPPING_CODES: set = set()
+_stop_asked = False  # a Ctrl-C landed in one of those, not yet taken (take_stop)
 RESEND_AFTER_S = 0.01
 _resending = threading.Lock()  # one resending thread at a time
 
 
-def _in_callback(frame) -> bool:
+def _in_callback(frame, codes=CALLBACK_CODES) -> bool:
     while frame is not None:
-        if frame.f_code in CALLBACK_CODES:
+        if frame.f_code in codes:
             return True
         frame = frame.f_back
     return False
+
+
+def stop_asked() -> bool:
+    """Whether a Ctrl-C landed in a stopping callback and was not taken yet (cheap: read per node
+    of a decode)."""
+    return _stop_asked
+
+
+def take_stop() -> bool:
+    """Whether a Ctrl-C landed in a stopping callback since the last call (then the caller raises
+    KeyboardInterrupt once its C call has returned)."""
+    global _stop_asked
+    asked, _stop_asked = _stop_asked, False
+    return asked
 
 
 def _resend() -> None:
@@ -47,6 +68,10 @@ def _resend() -> None:
 
 def handle_sigint(signum, frame) -> None:
     """KeyboardInterrupt, as Python's default handler, unless ``frame`` runs in a callback from C."""
+    global _stop_asked
+    if _in_callback(frame, STOPPING_CODES):
+        _stop_asked = True
+        return
     if _in_callback(frame):
         _resend()
         return
@@ -59,6 +84,11 @@ def install() -> None:
     if threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         signal.signal(signal.SIGINT, handle_sigint)
+
+
+def ours() -> bool:
+    """Whether :func:`handle_sigint` is SIGINT's handler (a Ctrl-C in a callback is then never lost)."""
+    return signal.getsignal(signal.SIGINT) is handle_sigint
 
 
 def wait_through(event: threading.Event, timeout: float | None = None) -> KeyboardInterrupt | None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from ..core.defaults import DEFAULTS, check
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
+from . import abort
 from .backend import C
 from .backend import last_llama_error as _last_llama_error
 from .backend import recent_log as _recent_log
@@ -176,7 +178,13 @@ def create_context(model: Model, cp, info: _CtxInfo):
 class OwnsContext:
     """Frees a llama_context (``_ctx``) and its batch (``_batch``) once, and before the model
     (``model``) they were made from: close(), collection, or the model's close if it comes
-    first (``Model.owns``: a cycle's objects are collected in any order)."""
+    first (``Model.owns``: a cycle's objects are collected in any order).
+
+    ``abort_check``: set by the context's user (the engine, for a generation), whether a decode
+    of many rows in progress should stop (:mod:`.abort`; it then raises
+    :class:`~.abort.DecodeAborted` and keeps what the call's earlier chunks decoded)."""
+
+    abort_check: Callable[[], bool] | None = None
 
     def _adopt(self, own_tokens: bool = False) -> None:
         """Once ``_ctx`` and ``_batch`` exist.  ``own_tokens``: the batch's token array is a
@@ -272,7 +280,7 @@ class Context(OwnsContext):
         if n_out:
             self._out[n - n_out : n] = 1
         self._batch.n_tokens = n
-        rc = C.llama_decode(self._ctx, self._batch)
+        rc = abort.decode(self._ctx, self._batch, n, self.abort_check)
         if rc != 0:
             # llama.cpp removed this batch's positions; keep the mirror in step (a recurrent
             # state may have moved on in part: dropped whole)
@@ -282,6 +290,8 @@ class Context(OwnsContext):
                 C.llama_memory_seq_rm(self.mem, 0, start, -1)
             if rc == 1:
                 raise MarsError(f"the context is full ({self.n_ctx} tokens); use a larger -c")
+            if rc == 2:
+                raise abort.aborted()
             raise RuntimeError(f"llama_decode failed with code {rc}")
         if self.hidden is not None:
             self.hidden[start:start + n] = self._read_hidden(n)

@@ -46,6 +46,7 @@ import numpy as np
 
 from ..core.errors import MarsError
 from ..core.tokens import common_prefix_len
+from . import abort
 from .backend import C
 from .context import MAX_INVARIANT_ROWS, OwnsContext, context_params, create_context, hidden_rows
 from .recurrent import Rollback, drop_state, truncate_state
@@ -214,7 +215,9 @@ class MultiContext(OwnsContext):
             first += n if every else n_out
         if i:
             self._batch.n_tokens = i
-            rc = C.llama_decode(self._ctx, self._batch)
+            # one sequence's chunk stops when that sequence's check says so, any decode when its owner's does
+            check = self.abort_check or (self.seqs[parts[0][0]].abort_check if len(parts) == 1 else None)
+            rc = abort.decode(self._ctx, self._batch, i, check)
             self.n_decodes += 1
             if rc != 0:
                 for s, _, _ in parts:  # llama.cpp removed this batch's positions; keep the mirrors in step
@@ -225,6 +228,8 @@ class MultiContext(OwnsContext):
                         C.llama_memory_seq_rm(self.mem, s, self._cell(len(view.tokens)), -1)
                 if rc == 1:
                     raise self._context_full()
+                if rc == 2:
+                    raise abort.aborted()
                 raise RuntimeError(f"llama_decode failed with code {rc}")
         self._decoded(layout, i)
         for s, toks, _ in parts:
@@ -357,6 +362,7 @@ class SeqView:
         self.tokens: list[int] = []  # mirror of this sequence's cells, positions 0..len-1
         self.hidden: np.ndarray | None = None  # (n_ctx, n_embd) hidden rows by position (capture_hidden)
         self._rollback = None if owner._rs_depth is None else Rollback(owner._rs_depth)
+        self.abort_check = None  # whether a chunk of this sequence alone in progress should stop (.abort)
 
     @property
     def n_past(self) -> int:

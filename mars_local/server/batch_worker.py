@@ -6,7 +6,8 @@
 waiting while a sequence slot is free (their prompts tokenized on this thread, as
 every llama.cpp call), runs one round for every live sequence, and hands each
 job the chunks its sequence made.  A job cancelled (its client went away) leaves
-before the next round and frees its slot; one request's failure ends only its own
+before the next round and frees its slot (a chunk of its prompt being evaluated
+stops at once: BatchStream.cancel); one request's failure ends only its own
 sequence.
 """
 
@@ -121,6 +122,7 @@ class BatchWorker(Worker):
             self._done(job, "error", ("error", unexpected_error(f"request {job.number}", exc)))
             return
         job.stats = stream.stats
+        job.running_as(stream)
         job.emit("start", len(tokens))
         self.active[job] = stream
         self.running = job  # the latest started (health: something runs)

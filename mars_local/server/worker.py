@@ -9,9 +9,11 @@ of letting latency grow without bound.
 A :class:`Job` is one request's way through: the worker reports
 ``("start", n_prompt)``, then ``("chunk", Chunk)`` per verify round, then
 ``("done", SpecStats)`` — or ``("error", ApiError)`` — to the event loop's
-queue.  :meth:`Job.cancel` (a client that went away) is seen by the worker
-after the round in progress, or between two fragments of a prompt being
-tokenized: the stream is closed and the engine is free for the next request.  With
+queue.  :meth:`Job.cancel` (a client that went away, a shutdown) is seen by the
+worker after the round in progress, inside a prompt's chunk being evaluated
+(:meth:`Stream.cancel`: within milliseconds, not the seconds a chunk takes), or
+between two fragments of a prompt being tokenized: the stream is closed and the
+engine is free for the next request.  With
 ``--parallel N`` :class:`~mars_local.server.batch_worker.BatchWorker` replaces this loop
 with the batched scheduler over the same Job interface.
 """
@@ -76,12 +78,23 @@ class Job:
         self.t_first: float | None = None  # the first chunk with text or tokens
         self.checked = self.t_submit  # when the app last asked whether the client is still there
         self._sent = threading.Event()  # a streamed answer's first chunk has been written (sent())
+        self._stop_stream: Callable[[], None] | None = None  # its stream's cancel, once it runs
 
     def cancel(self) -> None:
-        """Stop at the end of the round in progress (or never start)."""
+        """Stop at the end of the round in progress (or never start); a prompt's chunk being
+        evaluated stops at once (Stream.cancel)."""
         if not self._cancel.is_set():
             self.rounds_at_cancel = self.stats.n_rounds if self.stats is not None else 0
             self._cancel.set()
+        stop = self._stop_stream
+        if stop is not None:
+            stop()
+
+    def running_as(self, stream) -> None:
+        """(On the generation thread) the job's stream has begun: cancel() stops it from now on."""
+        self._stop_stream = stream.cancel
+        if self.cancelled:  # (cancelled while it was being made)
+            stream.cancel()
 
     @property
     def cancelled(self) -> bool:
@@ -257,6 +270,7 @@ class Worker:
         except MarsError as exc:
             return "rejected", ("error", ApiError(400, str(exc), param=exc.field))
         job.stats = stream.stats
+        job.running_as(stream)
         job.emit("start", len(tokens))
         try:
             for chunk in stream:

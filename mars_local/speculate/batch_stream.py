@@ -80,6 +80,12 @@ class BatchStream(Iterator[Chunk]):
             raise err
         return out
 
+    def cancel(self) -> None:
+        """Ask the sequence to stop, from any thread: a chunk of its prompt being evaluated stops
+        within milliseconds (a decode that carries other sequences' rows too goes on), else it
+        leaves at the next round (stop_reason "interrupted")."""
+        self._seq.run.stop.set()
+
     def close(self) -> None:
         """Cancel: the sequence leaves before the next round (stop_reason "interrupted")."""
         self._sched._cancel(self._seq)

@@ -48,6 +48,7 @@ from ..core.errors import MarsError
 from ..core.verify import verify
 from ..core.stats import SpecStats
 from ..core.tokens import common_prefix_len
+from ..llama.abort import DecodeAborted
 from ..llama.context import last_rides
 from ..llama.eagle3 import open_eagle3
 from ..llama.mtp import open_mtp
@@ -200,6 +201,9 @@ class Scheduler:
             self._free.remove(slot)
             s.view = self.mc.seq(slot)
             s.dview = self.dmc.seq(slot) if self.dmc is not None else None
+            for v in (s.view, s.dview):  # its own prompt's chunks stop at BatchStream.cancel (llama/abort.py)
+                if v is not None:
+                    v.abort_check = s.run.stop.is_set
             s.t_start = time.perf_counter()
             self._live[slot] = s  # (from here on released as any live sequence: a failure below ends it only)
             self._guard(s, lambda: self._join(s, slot, kept))
@@ -739,6 +743,9 @@ class Scheduler:
             return None
         try:
             return fn()
+        except DecodeAborted:  # (cancelled inside its prompt's chunk: what it evaluated before stays)
+            self._cancel(s)
+            return None
         except Exception as exc:  # noqa: BLE001 - reported to that sequence's reader
             s.run.stats.stop_reason = "error"
             s.error = exc
@@ -758,6 +765,9 @@ class Scheduler:
         """Free the slot; its cells stay for the next sequence's prefix (after an error: cleared)."""
         if self._live.get(slot) is s:
             del self._live[slot]
+            for v in (s.view, s.dview):
+                if v is not None:
+                    v.abort_check = None
             if s.error is not None:
                 s.view.clear()
                 if s.dview is not None:

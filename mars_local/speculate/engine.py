@@ -38,6 +38,7 @@ from .grammar import GrammarState
 from .learned import LearnedStore, default_store
 from .repack import load_exact_target
 from ..llama.rpc import placement
+from ..llama.abort import DecodeAborted
 from ..llama.context import Context
 from ..llama.eagle3 import check_eagle3_head, open_eagle3
 from ..llama.mtp import MtpContext, check_mtp_model, open_mtp
@@ -189,7 +190,7 @@ class Engine(TargetAccess):
         controls = Controls(cfg, self.target.eog_ids, grammar)
         run = _Run(tokens, cfg, vcfg, seed, self._make_drafter(cfg, seed, controls), stats, ctrl,
                    controls=controls, stops=StopScanner(cfg.stop))
-        return Stream(self._run(run), stats, cfg)
+        return Stream(self._run(run), stats, cfg, cancel=run.stop.set)
 
     @property
     def last_stats(self) -> SpecStats | None:
@@ -252,8 +253,13 @@ class Engine(TargetAccess):
         busy = self._busy = object()
         self._last_stats = stats = run.stats
         t_start = time.perf_counter()
+        contexts = [c for c in (self._ctx, self._draft_ctx, self._head_ctx) if c is not None]
+        for c in contexts:  # a prompt's chunk in progress stops at Stream.cancel (llama/abort.py)
+            c.abort_check = run.stop.is_set
         try:
             yield from self._loop(run, t_start)
+        except DecodeAborted:  # (cancelled inside a prompt's chunk: the cache holds the chunks before it)
+            stats.stop_reason = stats.stop_reason or "interrupted"
         except (GeneratorExit, KeyboardInterrupt):
             if not stats.stop_reason:
                 stats.stop_reason = "interrupted"
@@ -263,6 +269,8 @@ class Engine(TargetAccess):
                 stats.stop_reason = "error"
             raise
         finally:
+            for c in contexts:
+                c.abort_check = None
             run.controls.close()
             stats.time_total_s = time.perf_counter() - t_start
             if self._busy is busy:
@@ -336,9 +344,10 @@ class Engine(TargetAccess):
         kept = common_prefix_len(self._ctx.tokens, run.tokens[:-1])
         try:
             stats.n_prompt_evaluated, first = self._ctx.prefill(run.tokens)
-        except BaseException:  # (Ctrl-C between chunks): --stats shows the prompt's part done so far
+        except BaseException:  # (Ctrl-C, Stream.cancel): --stats shows the prompt's part done so far;
+            # time_prompt_target_s stays 0: the prompt never ended (what the server's cached_tokens reads)
             stats.n_prompt_evaluated = max(0, len(self._ctx.tokens) - kept)
-            stats.time_prompt_target_s = stats.time_prompt_s = time.perf_counter() - t_start
+            stats.time_prompt_s = time.perf_counter() - t_start
             raise
         if first is None and len(run.tokens) <= self._ctx.n_ctx:
             # the last token had no chunk to ride in (the prompt all cached, or its last chunk too

@@ -5,6 +5,7 @@ target's cells of this generation, a Context or a SeqView)."""
 from __future__ import annotations
 
 import codecs
+import threading
 from dataclasses import dataclass, field
 
 from ..core.config import Chunk, GenerateConfig, token_logprobs
@@ -57,6 +58,7 @@ class Run:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
     )
     shown: frozenset | None = None  # the control tokens whose text is shown (cfg.visible_special), once known
+    stop: threading.Event = field(default_factory=threading.Event)  # set: cancelled (Stream.cancel, any thread)
 
     def pieces(self, target, tokens) -> list[bytes]:
         """The UTF-8 pieces of ``tokens``: control tokens hidden, but those cfg.visible_special names."""
@@ -78,7 +80,11 @@ class Run:
 
     def draft_cap(self, ctx, k_limit: int) -> int | None:
         """The longest draft this round may have (at most ``k_limit``), or None, with the stop
-        reason set, when the generation is done: max_tokens reached or no room left in ``ctx``."""
+        reason set, when the generation is done: cancelled, max_tokens reached or no room left in
+        ``ctx``."""
+        if self.stop.is_set():
+            self.stats.stop_reason = "interrupted"
+            return None
         remaining = k_limit + 1 if self.cfg.unlimited else self.cfg.max_tokens - self.generated
         if remaining <= 0:
             self.stats.stop_reason = "length"

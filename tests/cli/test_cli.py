@@ -215,3 +215,18 @@ def test_real_entry_point_has_no_traceback(not_gguf):
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and p.stderr.startswith("error:")
     assert p.stdout == ""
+
+
+def test_stats_after_a_stop_inside_the_prompt_do_not_call_its_rest_cached():
+    """--stats after a Ctrl-C inside the prompt (which stops it mid-chunk): the part of the prompt
+    not evaluated was not "reused from cache" either."""
+    from types import SimpleNamespace
+
+    from mars_local.cli.render import format_stats
+    from mars_local.core.stats import SpecStats
+
+    choice = SimpleNamespace(label="m", drafter="none")
+    stopped = SpecStats(n_prompt=300, n_prompt_evaluated=128, stop_reason="interrupted")
+    assert "300 token(s) (128 evaluated before the interruption)" in format_stats(stopped, choice)
+    ended = SpecStats(n_prompt=300, n_prompt_evaluated=128, n_generated=3, stop_reason="eog")
+    assert "300 token(s) (128 evaluated, rest reused from cache)" in format_stats(ended, choice)

@@ -338,3 +338,28 @@ def test_shutting_down_while_a_request_starts_still_ends_it_with_a_503(engine, p
 
     toks, kind, value = asyncio.run(main())
     assert kind == "error" and value.status == 503 and len(toks) < 400
+
+
+def test_cancelling_a_job_stops_its_stream_whenever_the_cancel_comes():
+    """Job.cancel (the event loop: a client gone, a shutdown) reaches the stream, so a prompt's
+    chunk in progress stops at once (llama/abort.py): after the stream began, and when the cancel
+    came while the worker was making it."""
+    class Stream:
+        cancels = 0
+
+        def cancel(self):
+            self.cancels += 1
+
+    loop = asyncio.new_event_loop()
+    try:
+        a, b = (Job(parse_completion({"prompt": "x", "max_tokens": 4}, D), loop) for _ in range(2))
+        sa, sb = Stream(), Stream()
+        a.running_as(sa)
+        assert sa.cancels == 0
+        a.cancel()
+        assert a.cancelled and sa.cancels == 1
+        b.cancel()
+        b.running_as(sb)
+        assert sb.cancels == 1
+    finally:
+        loop.close()
