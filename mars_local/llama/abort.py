@@ -58,7 +58,8 @@ def decode(ctx, batch, n_rows: int, check: Callable[[], bool] | None = None) -> 
         return C.llama_decode(ctx, batch)
     if check is not None and check():
         return 2  # (asked before it began: nothing decoded, nothing to remove)
-    if threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+    if main:
         if not interrupts.ours():  # (a Ctrl-C in the callback would be lost: stopped between chunks only)
             return C.llama_decode(ctx, batch)
     elif check is None:  # (no Ctrl-C reaches another thread)
@@ -66,10 +67,15 @@ def decode(ctx, batch, n_rows: int, check: Callable[[], bool] | None = None) -> 
     _local.check = check
     C.llama_set_abort_callback(ctx, _CALLBACK, None)
     try:
-        return C.llama_decode(ctx, batch)
+        rc = C.llama_decode(ctx, batch)
     finally:
         C.llama_set_abort_callback(ctx, _NONE, None)
         _local.check = None
+    if rc != 2 and main and interrupts.take_stop():
+        # the Ctrl-C landed after the last node had been asked: the decode ended, the Ctrl-C is owed
+        # (raised as one right after llama_decode would be: the caller's mirror has not grown yet)
+        raise KeyboardInterrupt
+    return rc
 
 
 def aborted() -> BaseException:

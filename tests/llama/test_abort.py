@@ -227,3 +227,39 @@ def test_a_sequence_cancelled_while_it_decodes_leaves_at_the_next_round(tiny_tar
                                                      ignore_eos=True, draft_max=0).tokens
         finally:
             sched.close()
+
+
+def test_a_ctrl_c_landing_after_the_last_nodes_question_is_raised_not_lost(model):
+    """The CLI's handler only records a Ctrl-C that lands in the callback; one recorded during the
+    last node's question no longer stops anything, so it is raised once the decode has returned
+    (else it was lost, and the next wide decode stopped at once for it)."""
+    import signal
+
+    from mars_local.core import interrupts
+
+    ctx = Context(model, n_ctx=512, n_batch=128, n_threads=2)
+    old = signal.signal(signal.SIGINT, interrupts.handle_sigint)
+    try:
+        ctx.abort_check = counting = StopAt(10 ** 9)
+        ctx.eval(prompt(100), n_out=0)
+        last = counting.calls  # the pre-check and one question per node
+        ctx.truncate(0)
+
+        def ctrl_c_in_the_last_question():
+            ctrl_c_in_the_last_question.calls += 1
+            if ctrl_c_in_the_last_question.calls == last:
+                interrupts._stop_asked = True  # (what the handler does when the signal lands here)
+            return False
+        ctrl_c_in_the_last_question.calls = 0
+        ctx.abort_check = ctrl_c_in_the_last_question
+        with pytest.raises(KeyboardInterrupt):
+            ctx.eval(prompt(100), n_out=0)
+        assert not interrupts.stop_asked()
+        ctx.abort_check = counting = StopAt(10 ** 9)
+        # the next wide decode is not stopped by a stale Ctrl-C (sync: the cache, which the decode
+        # did fill, is trusted over the mirror, as after any Ctrl-C right after llama_decode)
+        assert ctx.sync(prompt(170, seed=9)) == 170 and ctx.n_past == 170 and counting.calls > 1
+    finally:
+        signal.signal(signal.SIGINT, old)
+        interrupts.take_stop()
+        ctx.close()
