@@ -75,6 +75,7 @@ def handle_sigint(signum, frame) -> None:
     if _in_callback(frame):
         _resend()
         return
+    _stop_asked = False  # (one recorded a moment ago, its decode not yet returned: this one replaces it)
     raise KeyboardInterrupt
 
 

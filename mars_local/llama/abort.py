@@ -13,11 +13,16 @@ more, where its ~1 us per node is nothing (a 4,085-node graph: ~4 ms against 1.3
 stops the decode when its owner's check says so (``OwnsContext.abort_check``, called from the
 decoding thread) or when a Ctrl-C landed in it (the main thread, under the CLI's SIGINT handler:
 :mod:`mars_local.core.interrupts`; with Python's default handler a KeyboardInterrupt raised inside
-a ctypes callback would be printed and lost, so the main thread installs it only under ours).
+a ctypes callback would be printed and lost, so the main thread decodes under ours: put in place
+for the decode where Python's default handler is, and no callback where a program has its own).
+The callback needs the GIL at every node: a thread running Python meanwhile can slow the decode
+(the server's event loop mostly waits).  A recurrent/hybrid target's state cannot keep part of a
+decode: stopped, it is dropped whole (llama/recurrent.py).
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Callable
 
@@ -39,8 +44,11 @@ class DecodeAborted(Exception):
 _local = threading.local()  # the check of the decode in progress on this thread
 
 
+_MAIN = threading.main_thread().ident  # (only the main thread receives a Ctrl-C)
+
+
 def _stop(_data) -> bool:
-    if interrupts.stop_asked():
+    if interrupts.stop_asked() and threading.get_ident() == _MAIN:
         return True
     check = getattr(_local, "check", None)
     return check is not None and bool(check())
@@ -56,14 +64,22 @@ def decode(ctx, batch, n_rows: int, check: Callable[[], bool] | None = None) -> 
     it is that wide (see the module's docstring); llama_decode's return code (2: stopped)."""
     if n_rows < ABORTABLE_ROWS:
         return C.llama_decode(ctx, batch)
-    if check is not None and check():
-        return 2  # (asked before it began: nothing decoded, nothing to remove)
+    if check is not None and check():  # asked before it began: nothing decoded, nothing to clean up
+        raise DecodeAborted("the decode was stopped before it began (the generation was cancelled)")
     main = threading.current_thread() is threading.main_thread()
-    if main:
-        if not interrupts.ours():  # (a Ctrl-C in the callback would be lost: stopped between chunks only)
-            return C.llama_decode(ctx, batch)
-    elif check is None:  # (no Ctrl-C reaches another thread)
+    if not main and check is None:  # (no Ctrl-C reaches another thread)
         return C.llama_decode(ctx, batch)
+    swapped = False
+    if main:
+        interrupts.take_stop()  # (none may be left over: see interrupts.handle_sigint)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            # Python's handler would raise a Ctrl-C inside the callback, where ctypes prints and
+            # drops it: mars's, which records it there, for this decode (an embedding program's
+            # own handler, or an ignored SIGINT, is left alone: then no callback on this thread)
+            signal.signal(signal.SIGINT, interrupts.handle_sigint)
+            swapped = True
+        elif not interrupts.ours():
+            return C.llama_decode(ctx, batch)
     _local.check = check
     C.llama_set_abort_callback(ctx, _CALLBACK, None)
     try:
@@ -71,6 +87,8 @@ def decode(ctx, batch, n_rows: int, check: Callable[[], bool] | None = None) -> 
     finally:
         C.llama_set_abort_callback(ctx, _NONE, None)
         _local.check = None
+        if swapped:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
     if rc != 2 and main and interrupts.take_stop():
         # the Ctrl-C landed after the last node had been asked: the decode ended, the Ctrl-C is owed
         # (raised as one right after llama_decode would be: the caller's mirror has not grown yet)

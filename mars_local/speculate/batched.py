@@ -195,7 +195,9 @@ class Scheduler:
         joining = []  # the waiting requests that get a slot this round, in their order
         while self._waiting and len(joining) < len(self._free):
             s = self._waiting.popleft()
-            if not s.done:  # (cancelled while waiting)
+            if s.run.stop.is_set():  # (BatchStream.cancel while waiting: no slot, no prefix given up)
+                self._cancel(s)
+            elif not s.done:  # (cancelled while waiting)
                 joining.append(s)
         for s, slot, kept in self._match(joining):
             self._free.remove(slot)

@@ -96,17 +96,50 @@ def test_narrow_decodes_are_never_asked(model):
         ctx.close()
 
 
-def test_on_the_main_thread_without_marss_sigint_handler_no_callback_is_installed(model):
-    """With Python's own handler a KeyboardInterrupt raised inside a ctypes callback is printed
-    and lost: there the decode is only asked before it begins (the check says go on here)."""
+def test_on_the_main_thread_a_programs_own_sigint_handler_is_left_alone(model):
+    """With Python's default handler a KeyboardInterrupt raised inside a ctypes callback would be
+    printed and lost: mars's handler is put in place for the decode (so a check still stops it
+    part-way there) and Python's again after.  A program's own handler is left alone: then no
+    callback, the decode only asked before it begins."""
+    import signal
+
     ctx = Context(model, n_ctx=512, n_batch=128, n_threads=2)
     try:
-        check = StopAt(2)
-        ctx.abort_check = check
-        ctx.eval(prompt(100), n_out=0)
-        assert check.calls == 1 and ctx.n_past == 100
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ctx.abort_check = check = StopAt(3)
+        with pytest.raises(DecodeAborted):
+            ctx.eval(prompt(100), n_out=0)
+        assert check.calls == 3 and ctx.n_past == 0
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+        def own(*_):
+            pass
+
+        old = signal.signal(signal.SIGINT, own)
+        try:
+            ctx.abort_check = check = StopAt(2)
+            ctx.eval(prompt(100), n_out=0)
+            assert check.calls == 1 and ctx.n_past == 100 and signal.getsignal(signal.SIGINT) is own
+        finally:
+            signal.signal(signal.SIGINT, old)
     finally:
         ctx.close()
+
+
+def test_a_ctrl_c_raised_replaces_one_recorded_a_moment_before():
+    """A second Ctrl-C that lands outside the callback before the first one's decode returned is
+    raised, and the recorded one is dropped: else the next wide decode stopped for it at once."""
+    import sys
+
+    from mars_local.core import interrupts
+
+    interrupts._stop_asked = True  # (the first one, recorded in the callback)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.handle_sigint(2, sys._getframe())
+        assert not interrupts.stop_asked()
+    finally:
+        interrupts.take_stop()
 
 
 def test_a_ctrl_c_inside_a_prompts_chunk_stops_it_at_once(tiny_target):
@@ -263,3 +296,23 @@ def test_a_ctrl_c_landing_after_the_last_nodes_question_is_raised_not_lost(model
         signal.signal(signal.SIGINT, old)
         interrupts.take_stop()
         ctx.close()
+
+
+def test_a_sequence_cancelled_while_waiting_never_takes_a_slot(tiny_target):
+    """BatchStream.cancel while waiting for a slot: it ends "interrupted" without joining, so
+    the slot keeps the cells of the prompt before it (the next request with that prefix reuses them)."""
+    with Engine(tiny_target, drafter="ngram", n_ctx=512, n_threads=2, learned=False) as eng:
+        sched = Scheduler(eng, 1)
+        try:
+            first = prompt(40, seed=7)  # (chunks of <= 64 rows: a longer prompt reuses them)
+            a = sched.submit(first, max_tokens=4, temperature=0, ignore_eos=True)
+            b = sched.submit(prompt(40, seed=8), max_tokens=4, temperature=0, ignore_eos=True)
+            b.cancel()
+            a.result()
+            sched.step()
+            assert b.finished and b.stats.stop_reason == "interrupted" and b.stats.n_prompt_evaluated == 0
+            c = sched.submit(first + [7], max_tokens=4, temperature=0, ignore_eos=True)
+            c.result()
+            assert c.stats.n_prompt_evaluated < 10  # a's prompt was still there
+        finally:
+            sched.close()
