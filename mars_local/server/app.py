@@ -43,6 +43,10 @@ from .worker import Job, Worker
 __all__ = ["ServerSettings", "create_app", "MAX_BODY"]
 
 MAX_BODY = 8 << 20  # bytes: far more text than any context holds
+# seconds a stream in flight may take to end on its own once the server exits (then
+# sse-starlette cuts it): within uvicorn's 3 s grace (run_server) even when it sees the exit
+# 0.5 s late
+STREAM_SHUTDOWN_GRACE_S = 2.0
 _DRAIN_LIMIT = 256 << 20  # a larger body is not even read to the end (the connection is closed)
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/health", "/metrics")
 
@@ -215,7 +219,10 @@ class _Server:
         if kind == "error":
             raise value
         if req.stream:
-            return EventSourceResponse(self._events(job, maker, req), ping=15)
+            # sse-starlette cuts a stream once it sees the server exiting; the grace lets ours end
+            # with its 503 error event first (run_server's on_shutdown cancels the generations)
+            return EventSourceResponse(self._events(job, maker, req), ping=15,
+                                       shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S)
         return JSONResponse(await self._collect(job, maker, request))
 
     async def _next(self, job: Job, request: HttpRequest | None = None):

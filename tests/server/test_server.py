@@ -199,3 +199,43 @@ def test_response_format_json_gives_a_grammar():
     with pytest.raises(ApiError) as e:
         chat(response_format={"type": "json_object"}, grammar="root ::= \"x\"")
     assert e.value.param == "grammar"
+
+
+class SlowFake(FakeEngine):
+    """A FakeEngine whose chunks come 20 ms apart (a stream that lasts while the test acts)."""
+
+    def _chunks(self, toks, answer, config, stats):
+        import time
+
+        for c in super()._chunks(toks, answer, config, stats):
+            time.sleep(0.02)
+            yield c
+
+
+def test_a_stream_in_flight_at_shutdown_ends_with_the_error_event_however_late_it_comes():
+    """sse-starlette cuts every stream once it sees uvicorn exiting (it polls every 0.5 s),
+    which raced `mars serve`'s own shutdown: the generations are cancelled and each stream
+    should end with a 503 error event, but a worker busy for longer than the poll (a loaded
+    CPU) left the client an unterminated chunked body.  Here the cancel comes 1.2 s after the
+    exit is seen; the stream must still end with the error event and [DONE]."""
+    import threading
+    import time
+
+    from sse_starlette.sse import AppStatus
+
+    with client(SlowFake(reply="abcdefgh", chunk=1)) as c:
+        try:
+            with c.stream("POST", "/v1/completions", headers=AUTH, json={
+                    "prompt": "long", "max_tokens": 100000, "ignore_eos": True, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(line for line in lines if line.startswith("data:"))
+                AppStatus.should_exit = True  # what uvicorn's exit handler sets (patched by sse-starlette)
+                cancel = threading.Timer(1.2, c.app.state.server.worker.cancel_all)
+                cancel.start()
+                rest = [line for line in lines if line.startswith("data:")]
+                cancel.join()
+        finally:
+            AppStatus.should_exit = False
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["message"] == "the server is shutting down", rest[-3:]
