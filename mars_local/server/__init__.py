@@ -21,6 +21,9 @@ from ..core.errors import MarsError
 
 __all__ = ["bind", "is_loopback", "host_name", "check_origin", "check_allowed_host", "run_server", "check_installed"]
 
+# seconds uvicorn waits for the requests in flight once shutting down begins (run_server)
+GRACEFUL_SHUTDOWN_S = 3
+
 
 def check_installed() -> None:
     """A one-line MarsError when the server's libraries are missing."""
@@ -115,9 +118,9 @@ def run_server(app, sock: socket.socket, on_ready: Callable[[], None] | None = N
                on_shutdown: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on ``sock`` until Ctrl-C or SIGTERM (uvicorn; its access log off:
     the app logs one line per generation).  ``on_shutdown()`` as shutting down begins, before
-    uvicorn waits (3 s at most) for the requests in flight: they must end by then (mars serve
-    cancels its generations, each answered 503), or uvicorn cancels their tasks (a traceback per
-    request, and a plain-text 500 to a client waiting for a whole answer)."""
+    uvicorn waits (GRACEFUL_SHUTDOWN_S at most) for the requests in flight: they must end by then
+    (mars serve cancels its generations, each answered 503), or uvicorn cancels their tasks (a
+    traceback per request, and a plain-text 500 to a client waiting for a whole answer)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -126,8 +129,8 @@ def run_server(app, sock: socket.socket, on_ready: Callable[[], None] | None = N
                 on_shutdown()
             await super().shutdown(sockets=sockets)
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
-                            lifespan="on")
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="on")
     server = Server(config)
     if on_ready is not None:
         on_ready()

@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from ..core.config import GenerateConfig
 from ..core.defaults import DEFAULTS
-from . import host_name, is_loopback
+from . import GRACEFUL_SHUTDOWN_S, host_name, is_loopback
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .requests import ApiError, Request, parse_chat, parse_completion
 from .responses import ResponseMaker, cached_tokens
@@ -44,9 +44,8 @@ __all__ = ["ServerSettings", "create_app", "MAX_BODY"]
 
 MAX_BODY = 8 << 20  # bytes: far more text than any context holds
 # seconds a stream in flight may take to end on its own once the server exits (then
-# sse-starlette cuts it): within uvicorn's 3 s grace (run_server) even when it sees the exit
-# 0.5 s late
-STREAM_SHUTDOWN_GRACE_S = 2.0
+# sse-starlette cuts it): within uvicorn's grace even when sse-starlette sees the exit 0.5 s late
+STREAM_SHUTDOWN_GRACE_S = GRACEFUL_SHUTDOWN_S - 1.0
 _DRAIN_LIMIT = 256 << 20  # a larger body is not even read to the end (the connection is closed)
 _ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/health", "/metrics")
 
