@@ -51,7 +51,7 @@ def shape_costs(path, shapes, reps: int = 3, threads: int | None = 2, depth: int
                 return [(seed * 104729 + i * 7919 + 13) % (vocab - 300) + 200 for i in range(k)]
 
             for s in range(n_seq):
-                mc.decode_windows([(s, toks(s, depth))], max_rows=max(depth, 1))
+                mc.seqs[s].eval(toks(s, depth), n_out=0)  # (chunked by n_batch)
             out = []
             for j, (n, w) in enumerate(shapes):
                 times = []

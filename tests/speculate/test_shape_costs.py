@@ -18,7 +18,7 @@ def test_shapes_parse_and_bad_ones_are_refused():
             sc.parse_shapes(bad)
 
 
-def test_every_shape_is_timed_in_order_and_the_context_is_left_at_its_depth(tiny_target, tmp_path, capsys):
+def test_every_shape_is_timed_in_order_and_reported(tiny_target, tmp_path, capsys):
     rows = sc.shape_costs(str(tiny_target), [(3, 2), (1, 5), (3, 2)], reps=2, threads=1, depth=20)
     assert [(r["seqs"], r["rows_each"], r["rows"]) for r in rows] == [(3, 2, 6), (1, 5, 5), (3, 2, 6)]
     assert all(r["first_s"] > 0 and r["median_s"] > 0 for r in rows)
