@@ -2,7 +2,7 @@
 """Where a batched round's time goes: llama_decode (windows, prefill, draft) against the Python around it.
 
     .venv/bin/python benchmarks/round_profile.py TARGET.gguf [-md DRAFT.gguf] [--parallel 1,4,16] \\
-        [-n 48] [--per-slot M] [--learned] [-t 2] [-ngl N] [--fast-kernels] [--verify strict|mars]
+        [-n 48] [--per-slot M] [--learned] [-t 2] [-ngl N] [--fast-kernels] [--verify strict|mars] [--fixed-k K]
         [--serve-prompts] [--json OUT]
 
 For each N it decodes N bench prompts at once (``--per-slot M``: M x N prompts through N
@@ -105,13 +105,16 @@ def plan_seen(sch) -> dict:
             "round_rates": {k: None if v is None else round(v, 1) for k, v in rates.items()}}
 
 
-def profile(eng, n_parallel: int, prompts: list, n: int, per_slot: int = 1, verify: str | None = None) -> dict:
+def profile(eng, n_parallel: int, prompts: list, n: int, per_slot: int = 1, verify: str | None = None,
+            fixed_k: int | None = None) -> dict:
     from mars_local import Scheduler
 
     sch = Scheduler(eng, n_parallel)
     try:
         clock = DecodeClock(sch)
         opts = {"verify": verify} if verify else {}
+        if fixed_k is not None:  # every round drafts fixed_k tokens a sequence (no controller)
+            opts.update(adaptive=False, draft_max=fixed_k)
         sch.generate_many(prompts[:n_parallel], max_tokens=8, temperature=0, ignore_eos=True, **opts)  # warm-up
         clock.reset()
         r0 = sch.rounds
@@ -149,6 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fast-kernels", action="store_true", help="load the target as `--fast-kernels` does")
     ap.add_argument("--verify", choices=("strict", "mars"), default=None,
                     help="the verification rule (default: mars-local's)")
+    ap.add_argument("--fixed-k", type=int, default=None, metavar="K",
+                    help="every round drafts K tokens a sequence (no draft-length controller; default: adaptive)")
     ap.add_argument("--serve-prompts", action="store_true",
                     help="the serving sweep's built-in prompts (mars_local.bench.serving) instead of the bench's")
     ap.add_argument("--json", default=None, metavar="OUT")
@@ -160,6 +165,10 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --parallel must be a comma list of integers >= 1, -n and --per-slot >= 1, got "
               f"{a.parallel!r}, {a.n}, {a.per_slot}",
+              file=sys.stderr)
+        return 2
+    if a.fixed_k is not None and not (1 <= a.fixed_k and (a.fixed_k + 1) * max(ns) <= 64):
+        print(f"error: --fixed-k must be >= 1 with (K + 1) x N <= 64 rows a round, got {a.fixed_k} at N = {max(ns)}",
               file=sys.stderr)
         return 2
     for p in (a.target, a.model_draft):
@@ -187,7 +196,7 @@ def main(argv=None) -> int:
               "catch-up | rest (Python) |")
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n_par in ns:
-            r = profile(eng, n_par, prompts, a.n, a.per_slot, a.verify)
+            r = profile(eng, n_par, prompts, a.n, a.per_slot, a.verify, a.fixed_k)
             rows.append(r)
             ms = r["ms_per_round"]
             print(f"| {n_par} | {r['rounds']} | {r['drafting_rounds']} | {r['tokens_per_round']:.2f} | {r['tokens_per_s']:.1f} | "
@@ -197,7 +206,7 @@ def main(argv=None) -> int:
                 print(f"    k: rounds {r['k_rounds']}; the plan at the end: {r['plan']}", flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"backend": backend_info(), "target": a.target, "draft": a.model_draft,
-                                            "n": a.n, "per_slot": a.per_slot, "learned": a.learned,
+                                            "n": a.n, "per_slot": a.per_slot, "learned": a.learned, "fixed_k": a.fixed_k,
                                             "fast_kernels": a.fast_kernels, "rows": rows}, indent=1))
     return 0
 

@@ -340,6 +340,9 @@ class DraftOrNot:
         self.explore_plain = explore_plain
         # per load: {drafted: [tokens, seconds, rounds, decayed rounds]} (decayed sums)
         self._rates: dict = {}
+        # per load: the tokens the latest drafting round would have delivered had every draft
+        # token been accepted (its ceiling: with one drafting round measured, a sure loss is known)
+        self._ceiling: dict = {}
         self._since = {True: 0, False: 0}
         self._planned, self._mode = None, None
         self._gap = self._first_gaps()  # mode tried -> rounds of the other mode before its next trial
@@ -351,8 +354,12 @@ class DraftOrNot:
     def _first_gaps(self) -> dict[bool, int]:
         return {True: self.explore, False: min(self.explore_plain, self.explore)}
 
-    def observe(self, drafted: bool, tokens: int, seconds: float, n: int | None = None) -> None:
-        """A round of ``n`` sequences (drafting or not) delivered ``tokens`` in ``seconds``."""
+    def observe(self, drafted: bool, tokens: int, seconds: float, n: int | None = None,
+                ceiling: int | None = None) -> None:
+        """A round of ``n`` sequences (drafting or not) delivered ``tokens`` in ``seconds``;
+        ``ceiling``: a drafting round's tokens had every draft token been accepted."""
+        if drafted and ceiling is not None:
+            self._ceiling[n] = max(int(ceiling), int(tokens))
         by_mode = self._rates.setdefault(n, {True: [0.0, 0.0, 0, 0.0], False: [0.0, 0.0, 0, 0.0]})
         r = by_mode[drafted]
         r[0], r[1], r[2] = r[0] * self.decay + tokens, r[1] * self.decay + seconds, r[2] + 1
@@ -365,19 +372,33 @@ class DraftOrNot:
         # (one plain round is a measurement: n tokens in one forward; drafting rounds vary with acceptance)
         return t / (sec + extra_s * dn) if count >= (2 if drafted else 1) and sec > 0 else None
 
-    def _rates_at(self, n: int | None, switch_s: float) -> tuple[float | None, float | None]:
-        """Drafting's and plain rounds' rates at load ``n``; where one is not known there, the
-        ratio of the two at the nearest load where both are (as drafting's rate, plain's 1): a
-        load first seen (a server's clients coming and going) is judged by what drafting did
-        at a load like it, not by the plan alone (at 6 sequences on the F16 stand-in the plan
-        drafted where rounds of 8 had shown drafting 25 % behind)."""
+    def _known(self, n: int | None, switch_s: float) -> tuple[float | None, float | None]:
+        """Drafting's and plain rounds' rates at load ``n`` as measured (None: not yet).  One
+        drafting round is no rate (acceptance varies), but where even its ceiling (every draft
+        token accepted) is below plain rounds' rate, drafting lost whatever its luck: that
+        ceiling is drafting's rate.  A second losing trial at once, or at the next load, at 16
+        sequences on the Q4_K_M stand-in, cost 5 s (BENCHMARKS.md, run 39)."""
         rd, rp = self.rate(True, switch_s, n), self.rate(False, 0.0, n)
+        if rd is None and rp is not None and n in self._ceiling:
+            t, sec, count, dn = self._rates[n][True]
+            if count == 1 and sec > 0:
+                top = self._ceiling[n] / (sec + switch_s * dn)
+                rd = top if top < rp else None
+        return rd, rp
+
+    def _rates_at(self, n: int | None, switch_s: float) -> tuple[float | None, float | None]:
+        """Drafting's and plain rounds' rates at load ``n`` (:meth:`_known`); where one is not
+        known there, the ratio of the two at the nearest load where both are (as drafting's
+        rate, plain's 1): a load first seen (a server's clients coming and going) is judged by
+        what drafting did at a load like it, not by the plan alone (at 6 sequences on the F16
+        stand-in the plan drafted where rounds of 8 had shown drafting 25 % behind)."""
+        rd, rp = self._known(n, switch_s)
         if (rd is None or rp is None) and n is not None:
-            both = [m for m in self._rates if m is not None and m != n
-                    and self.rate(True, 0.0, m) is not None and self.rate(False, 0.0, m) is not None]
+            both = [m for m in self._rates if m is not None and m != n and None not in self._known(m, 0.0)]
             if both:
                 m = min(both, key=lambda m: (abs(m - n), -m))
-                return self.rate(True, switch_s, m) / self.rate(False, 0.0, m), 1.0
+                d, p = self._known(m, switch_s)
+                return d / p, 1.0
         return rd, rp
 
     def peek(self, planned: bool, switch_s: float = 0.0, measured: bool = False, n: int | None = None) -> bool:

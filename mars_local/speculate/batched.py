@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 from dataclasses import replace
 
 import numpy as np
@@ -72,6 +73,16 @@ WARM_UP_TOKENS = 32
 SAVE_EVERY_S = 10.0
 # a catch-up rate kept by an earlier process weighs this many tokens of catch-up here
 CATCH_IMPORT_ROWS = 64.0
+
+
+class _Plan(NamedTuple):
+    """A round's plan before a draft model drafts (:meth:`Scheduler._plan_costly`)."""
+
+    k: int  # the best k (0: plain rounds)
+    k_draft: int  # the best k >= 1: what a round that drafts uses
+    switch_s: float  # what catching the draft caches up costs per round at k_draft
+    measured: bool  # made from measured inputs only (DraftOrNot trusts it: no trial against it)
+    widths: tuple[int, ...]  # the windows whose shapes (a window a sequence) it rests on, to time first
 
 
 class Scheduler:
@@ -432,7 +443,7 @@ class Scheduler:
             view.clear()
         return bool(np.array_equal(one, two))
 
-    def _probe_switch(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
+    def _probe_switch(self, seqs: list[_Seq], k_room: int) -> _Plan:
         """The round's plan (:meth:`_plan_costly`), its drafting shape timed first where a switch
         to drafting would pay a catch-up of the draft caches (the sequences joined, or rounds
         went by, while it was idle) and that shape (every sequence's window of k + 1 rows) was
@@ -447,11 +458,10 @@ class Scheduler:
         if self._drafted_last or self.eng.target.offloaded:  # (a GPU: a forward of 16 rows costs one row's)
             return plan
         for _ in range(3):
-            k, k_draft, switch_s, measured = plan
             # plain rounds' shape first (what drafting is weighed against), then drafting's
-            w = next((w for w in (1, k_draft + 1) if not self.cost.timed(len(seqs) * w)), None)
+            w = next((w for w in plan.widths if not self.cost.timed(len(seqs) * w)), None)
             if (w is None or not any(self._lag(s) for s in seqs)
-                    or not self.mode.peek(k > 0, switch_s, measured, len(seqs))):
+                    or not self.mode.peek(plan.k > 0, plan.switch_s, plan.measured, len(seqs))):
                 break  # (every shape timed, no catch-up to pay, or a round that stays plain: no probe)
             try:
                 if not self._time_windows(seqs, w, 1.0, times=1 if self.cost.first_weight else 2):
@@ -509,9 +519,9 @@ class Scheduler:
         if costly and k_room > 0:  # plan before a draft model drafts: pooled acceptance, draft cost per token
             if not self.cost.draft_measured and self.eng.drafter_kind == "model" and not self._draft_timed:
                 self._calibrate_draft(seqs)
-            k_plan, k_draft, switch_s, measured = self._probe_switch(seqs, k_room)
-            drafting = self.mode.choose(k_plan > 0, switch_s, measured, len(seqs))
-            k_room = min(k_room, k_draft if drafting else 0)
+            plan = self._probe_switch(seqs, k_room)
+            drafting = self.mode.choose(plan.k > 0, plan.switch_s, plan.measured, len(seqs))
+            k_room = min(k_room, plan.k_draft if drafting else 0)
         caps = [cap for _, cap in caps if cap is not None]
         t_catch = self._draft_prompts(seqs) if k_room > 0 else 0.0
         before = sum(s.run.generated for s in seqs)
@@ -534,8 +544,8 @@ class Scheduler:
         rows = self.mc.decode_windows(windows)
         t_target = clock() - t1
         self.cost.observe(self.last_rows, t_target)
+        drafts = [_cut(d, k) for d in drafts]
         for s, d, z in zip(seqs, drafts, rows):
-            d = _cut(d, k)
             self._guard(s, lambda: self._finish_round(s, d, z, t_target / len(seqs), t_draft / len(seqs)))
         if drafting is not None:
             # while drafting goes on, a catch-up is the draft model reading joining prompts: a cost
@@ -544,16 +554,16 @@ class Scheduler:
             # (switch_s) before DraftOrNot compares rates: not counted twice.
             steady = drafting and self._drafted_last
             self.mode.observe(drafting, sum(s.run.generated for s in seqs) - before,
-                              clock() - t0 + (t_catch if steady else 0.0), len(seqs))
+                              clock() - t0 + (t_catch if steady else 0.0), len(seqs),
+                              ceiling=sum(len(d) + 1 for d in drafts))
         self._drafted_last = bool(drafting)  # (a round that did not plan drafting did not draft either)
 
-    def _plan_costly(self, seqs: list[_Seq], k_room: int) -> tuple[int, int, float, bool]:
+    def _plan_costly(self, seqs: list[_Seq], k_room: int) -> _Plan:
         """The round's k before a draft model drafts, every sequence at its pooled acceptance
-        (:func:`plan_drafting`): the best k, the best k >= 1 (what a drafting round uses), what
-        catching the draft caches up costs per round at that k, and whether every input of the
-        plan was measured here (the draft's cost, forward costs; acceptance learned anywhere)
-        rather than a prior: a draft cost learned in other runs can be far off (a busy
-        machine, another load) and, trusted, would keep the scheduler from ever measuring it."""
+        (:func:`plan_drafting`, :class:`_Plan`): whether every input of the plan was measured
+        here (the draft's cost, forward costs; acceptance learned anywhere) rather than a prior:
+        a draft cost learned in other runs can be far off (a busy machine, another load) and,
+        trusted, would keep the scheduler from ever measuring it."""
         ctrls = [s.run.ctrl for s in seqs]
         prior = next(c for c in ctrls if c is not None)
         accepts = [[c.acceptance(None)] * k_room if c is not None else [1.0] * k_room for c in ctrls]
@@ -563,10 +573,22 @@ class Scheduler:
         lags = [self._lag(s) for s in seqs]
         remaining = [s.run.cfg.max_tokens - s.run.generated if not s.run.cfg.unlimited
                      else s.view.n_ctx - len(s.run.tokens) for s in seqs]
-        k, k_draft, switch_s = plan_drafting(accepts, self.cost.costs(prior, len(seqs)), per_token, k_room, lags, remaining, row_s)
+        costs = self.cost.costs(prior, len(seqs))
+        k, k_draft, switch_s = plan_drafting(accepts, costs, per_token, k_room, lags, remaining, row_s)
         # (the draft's cost is the scheduler's own, timed in its batched decodes: the controller's
         # timing of lone drafts, which batched rounds never update, is not asked for)
-        return k, k_draft, switch_s, self.cost.draft_measured and prior.acceptance_measured() and self.calibrated
+        measured = self.cost.draft_measured and self.calibrated
+        if measured and not prior.acceptance_measured() and k == 0:
+            # acceptance is the plan's one prior: where drafting would not pay even with every
+            # draft token accepted, no acceptance makes it pay, and a trial would only pay its
+            # catch-up (at 16 sequences on the Q4_K_M stand-in, 3.3 s: BENCHMARKS.md, run 39).
+            # That holds where the shape such a round would take was timed, not guessed
+            # (_probe_switch times it first)
+            top, top_draft, _ = plan_drafting([[1.0] * k_room] * len(seqs), costs, per_token, k_room, lags,
+                                              remaining, row_s)
+            return _Plan(k, k_draft, switch_s, top == 0 and self.cost.timed(len(seqs) * (top_draft + 1)),
+                         (1, k_draft + 1, top_draft + 1))
+        return _Plan(k, k_draft, switch_s, measured and prior.acceptance_measured(), (1, k_draft + 1))
 
     def _lag(self, s: _Seq) -> int:
         """Tokens a draft model's cache must catch up on before the sequence drafts (0: none

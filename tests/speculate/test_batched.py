@@ -880,9 +880,9 @@ def test_a_catch_up_while_drafting_counts_in_the_drafting_rounds_rate_and_a_swit
         seen = []
         observe = sched.mode.observe
 
-        def spy(drafted, tokens, seconds, n=None):
+        def spy(drafted, tokens, seconds, n=None, ceiling=None):
             seen.append((drafted, seconds))
-            observe(drafted, tokens, seconds, n)
+            observe(drafted, tokens, seconds, n, ceiling)
 
         sched.mode.observe = spy
         outs = sched.generate_many(PROMPTS[:3], max_tokens=12, temperature=0, ignore_eos=True, verify="strict")
@@ -1176,6 +1176,63 @@ def test_a_plan_that_changes_its_mind_does_not_bring_back_a_trial_that_lost_clea
         near.choose(True, n=8)
     near.choose(False, n=8)
     assert near._gap[True] == 4  # restarted: a trial soon
+
+
+def test_one_drafting_round_that_lost_even_at_its_ceiling_settles_the_load_and_its_neighbours():
+    """One drafting round is no rate (its acceptance was luck), so a second trial came at once,
+    and another at the next load (at 16 sequences on the Q4_K_M stand-in, 5 s).  Where even
+    that round's ceiling (every draft token accepted) is below plain rounds' rate, drafting
+    lost whatever its luck; a round whose ceiling beat plain settles nothing."""
+    m = DraftOrNot(explore=4)
+    for _ in range(3):
+        m.observe(False, 16, 0.25, n=16)                 # plain: 64 tok/s
+    m.observe(True, 30, 1.0, n=16, ceiling=32)           # drafting: 32 tok/s at best
+    assert m._rates_at(16, 0.0) == (pytest.approx(32.0), pytest.approx(64.0))
+    assert not any(m.choose(False, n=16) for _ in range(40))  # no trial came back
+    assert not any(m.choose(False, n=15) for _ in range(40))  # nor at the next load
+    lucky = DraftOrNot(explore=4)
+    for _ in range(3):
+        lucky.observe(False, 16, 0.25, n=16)
+    lucky.observe(True, 30, 0.5, n=16, ceiling=64)       # 60 tok/s, 128 at best: not settled
+    assert lucky._rates_at(16, 0.0)[0] is None
+    assert lucky.choose(True, n=16) is True                # the plan decides, as before
+    lucky.observe(True, 60, 0.5, n=16, ceiling=64)       # two rounds: a rate
+    assert lucky._rates_at(16, 0.0)[0] == pytest.approx((30 * 0.9 + 60) / (0.5 * 0.9 + 0.5))  # (decayed sums)
+
+
+def test_a_plan_that_drafting_cannot_win_at_any_acceptance_is_trusted_once_its_shapes_are_timed(engines):
+    """With the acceptance not yet learned (a prior), a plan saying plain rounds was not trusted,
+    so DraftOrNot tried drafting anyway: at 16 sequences a catch-up of 16 prompts and a round of
+    32 rows, 3.3 s, where drafting could not pay even with every draft token accepted.  Such a
+    plan is trusted once the shape it rests on was timed; one where full acceptance would pay
+    is not."""
+    eng = engines["model"]
+    sched = Scheduler(eng, 4)
+    try:
+        sched.calibrated = True
+        sched.cost.observe_draft(8, 0.08)  # the draft's cost measured: 10 ms a token
+        curve = [0.1 * r for r in range(1, 65)]  # every row a full row's cost: no window pays
+        sched.cost.costs = lambda prior=None, n_seqs=None: curve
+        for p in PROMPTS[:4]:
+            sched.submit(p, max_tokens=8, temperature=0, verify="strict")
+        sched._admit()
+        sched._prefill()
+        seqs = list(sched._live.values())
+        for s in seqs:
+            s.run.ctrl.acceptance_measured = lambda n=20: False
+        plan = sched._plan_costly(seqs, 3)
+        assert plan.k == 0 and not plan.measured  # the shape it rests on is a guess: not yet
+        assert len(plan.widths) == 3 and not sched.cost.timed(4 * plan.widths[-1])
+        for w in plan.widths:
+            sched.cost.observe(4 * w, 0.4 * w)
+        plan = sched._plan_costly(seqs, 3)
+        assert plan.k == 0 and plan.measured
+        assert sched.mode.peek(False, plan.switch_s, plan.measured, 4) is False
+        curve[:] = [0.1 + 0.001 * r for r in range(1, 65)]  # rows almost free: full acceptance would pay
+        plan = sched._plan_costly(seqs, 3)
+        assert not plan.measured
+    finally:
+        sched.close()
 
 
 def test_calibration_times_only_the_row_counts_not_kept_from_an_earlier_process(engines):

@@ -9,9 +9,11 @@ from helpers import benchmark_script
 
 
 def test_the_parts_of_a_round_add_up_to_its_wall_time(tiny_target, tiny_draft, tmp_path, capsys):
+    """(--fixed-k: every round drafts; the tiny draft costs what the tiny target does, so the
+    draft-length controller would rightly keep these rounds plain.)"""
     out = tmp_path / "r.json"
     rc = benchmark_script("round_profile").main([str(tiny_target), "-md", str(tiny_draft), "--parallel", "1,3",
-                                                 "-n", "10", "-t", "1", "--json", str(out)])
+                                                 "-n", "10", "-t", "1", "--fixed-k", "2", "--json", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["parallel"] for r in rows] == [1, 3]
@@ -21,6 +23,7 @@ def test_the_parts_of_a_round_add_up_to_its_wall_time(tiny_target, tiny_draft, t
         assert r["tokens_per_round"] == pytest.approx(r["tokens"] / r["rounds"])
         assert sum(ms.values()) == pytest.approx(r["wall_ms_per_round"], rel=1e-6)
         assert ms["windows"] > 0 and ms["prefill"] > 0 and ms["draft"] > 0 and ms["rest"] >= 0
+        assert r["drafting_rounds"] > 0 and max(int(k) for k in r["k_rounds"]) == 2
     table = capsys.readouterr().out
     assert "| 3 |" in table and "rest (Python)" in table
 
@@ -37,6 +40,7 @@ def test_plain_rounds_have_no_draft_time(tiny_target, tmp_path):
 def test_bad_arguments_are_one_line_and_exit_2(tiny_target, tmp_path, capsys):
     mod = benchmark_script("round_profile")
     assert mod.main([str(tiny_target), "--parallel", "0"]) == 2
+    assert mod.main([str(tiny_target), "--parallel", "16", "--fixed-k", "4"]) == 2  # 80 rows a round
     assert mod.main([str(tiny_target), "-md", str(tmp_path / "missing.gguf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
