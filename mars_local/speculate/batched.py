@@ -82,7 +82,6 @@ class _Plan(NamedTuple):
     k_draft: int  # the best k >= 1: what a round that drafts uses
     switch_s: float  # what catching the draft caches up costs per round at k_draft
     measured: bool  # made from measured inputs only (DraftOrNot trusts it: no trial against it)
-    widths: tuple[int, ...]  # the windows whose shapes (a window a sequence) it rests on, to time first
 
 
 class Scheduler:
@@ -459,7 +458,7 @@ class Scheduler:
             return plan
         for _ in range(3):
             # plain rounds' shape first (what drafting is weighed against), then drafting's
-            w = next((w for w in plan.widths if not self.cost.timed(len(seqs) * w)), None)
+            w = next((w for w in (1, plan.k_draft + 1) if not self.cost.timed(len(seqs) * w)), None)
             if (w is None or not any(self._lag(s) for s in seqs)
                     or not self.mode.peek(plan.k > 0, plan.switch_s, plan.measured, len(seqs))):
                 break  # (every shape timed, no catch-up to pay, or a round that stays plain: no probe)
@@ -582,13 +581,11 @@ class Scheduler:
             # acceptance is the plan's one prior: where drafting would not pay even with every
             # draft token accepted, no acceptance makes it pay, and a trial would only pay its
             # catch-up (at 16 sequences on the Q4_K_M stand-in, 3.3 s: BENCHMARKS.md, run 39).
-            # That holds where the shape such a round would take was timed, not guessed
-            # (_probe_switch times it first)
-            top, top_draft, _ = plan_drafting([[1.0] * k_room] * len(seqs), costs, per_token, k_room, lags,
-                                              remaining, row_s)
-            return _Plan(k, k_draft, switch_s, top == 0 and self.cost.timed(len(seqs) * (top_draft + 1)),
-                         (1, k_draft + 1, top_draft + 1))
-        return _Plan(k, k_draft, switch_s, measured and prior.acceptance_measured(), (1, k_draft + 1))
+            # (The shapes are judged by the cost curve as it is: timing the widest first cost
+            # more than the trials it saved, ~1 s a 64-row probe there)
+            top = plan_drafting([[1.0] * k_room] * len(seqs), costs, per_token, k_room, lags, remaining, row_s)[0]
+            return _Plan(k, k_draft, switch_s, top == 0)
+        return _Plan(k, k_draft, switch_s, measured and prior.acceptance_measured())
 
     def _lag(self, s: _Seq) -> int:
         """Tokens a draft model's cache must catch up on before the sequence drafts (0: none
