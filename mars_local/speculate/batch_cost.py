@@ -327,8 +327,12 @@ class DraftOrNot:
     * what a switch to drafting would cost now (``switch_s``: the catch-up spread over the
       rounds the sequences have left, :func:`plan_drafting`) is added to the drafting rounds'
       time before the rates are compared, and a plan made from measurements (``measured``:
-      acceptance and draft cost learned, forward costs timed) is trusted: drafting it says
-      does not pay is not tried even once.
+      acceptance and draft cost learned, forward costs timed; or, acceptance not yet learned,
+      drafting that would not pay even with every draft token accepted) is trusted: drafting
+      it says does not pay is not tried even once;
+    * one drafting round at a load is no rate, except where even its ceiling (every draft
+      token accepted) is below plain rounds' rate there: drafting lost at that load whatever
+      its luck (:meth:`_known`).
 
     What it measured is saved with the learned state (:meth:`export_state`) for ``mars doctor``
     to show; a new process does not start from it (:meth:`.Scheduler._load_learned` says why).
