@@ -381,7 +381,7 @@ class DraftOrNot:
         drafting round is no rate (acceptance varies), but where even its ceiling (every draft
         token accepted) is below plain rounds' rate, drafting lost whatever its luck: that
         ceiling is drafting's rate.  A second losing trial at once, or at the next load, at 16
-        sequences on the Q4_K_M stand-in, cost 5 s (BENCHMARKS.md, run 39)."""
+        sequences on the Q4_K_M stand-in, cost 4 s (BENCHMARKS.md, run 39)."""
         rd, rp = self.rate(True, switch_s, n), self.rate(False, 0.0, n)
         if rd is None and rp is not None and n in self._ceiling:
             t, sec, count, dn = self._rates[n][True]

@@ -580,7 +580,7 @@ class Scheduler:
         if measured and not prior.acceptance_measured() and k == 0:
             # acceptance is the plan's one prior: where drafting would not pay even with every
             # draft token accepted, no acceptance makes it pay, and a trial would only pay its
-            # catch-up (at 16 sequences on the Q4_K_M stand-in, 3.3 s: BENCHMARKS.md, run 39).
+            # catch-up (at 16 sequences on the Q4_K_M stand-in, 2.4 s: BENCHMARKS.md, run 39).
             # (The shapes are judged by the cost curve as it is: timing the widest first cost
             # more than the trials it saved, ~1 s a 64-row probe there)
             top = plan_drafting([[1.0] * k_room] * len(seqs), costs, per_token, k_room, lags, remaining, row_s)[0]

@@ -1180,7 +1180,7 @@ def test_a_plan_that_changes_its_mind_does_not_bring_back_a_trial_that_lost_clea
 
 def test_one_drafting_round_that_lost_even_at_its_ceiling_settles_the_load_and_its_neighbours():
     """One drafting round is no rate (its acceptance was luck), so a second trial came at once,
-    and another at the next load (at 16 sequences on the Q4_K_M stand-in, 5 s).  Where even
+    and another at the next load (at 16 sequences on the Q4_K_M stand-in, 4 s).  Where even
     that round's ceiling (every draft token accepted) is below plain rounds' rate, drafting
     lost whatever its luck; a round whose ceiling beat plain settles nothing."""
     m = DraftOrNot(explore=4)
@@ -1203,7 +1203,7 @@ def test_one_drafting_round_that_lost_even_at_its_ceiling_settles_the_load_and_i
 def test_a_plan_that_drafting_cannot_win_at_any_acceptance_is_trusted_before_acceptance_is_learned(engines):
     """With the acceptance not yet learned (a prior), a plan saying plain rounds was not trusted,
     so DraftOrNot tried drafting anyway: at 16 sequences a catch-up of 16 prompts and a round of
-    32 rows, 3.3 s, where drafting could not pay even with every draft token accepted.  Such a
+    32 rows, 2.4 s, where drafting could not pay even with every draft token accepted.  Such a
     plan is trusted (once the draft's cost was measured); one where full acceptance would pay
     is not."""
     eng = engines["model"]
