@@ -167,9 +167,11 @@ def main(argv=None) -> int:
               f"{a.parallel!r}, {a.n}, {a.per_slot}",
               file=sys.stderr)
         return 2
-    if a.fixed_k is not None and not (1 <= a.fixed_k and (a.fixed_k + 1) * max(ns) <= 64):
-        print(f"error: --fixed-k must be >= 1 with (K + 1) x N <= 64 rows a round, got {a.fixed_k} at N = {max(ns)}",
-              file=sys.stderr)
+    from mars_local.speculate.batch_cost import MAX_ROWS
+
+    if a.fixed_k is not None and not (1 <= a.fixed_k and (a.fixed_k + 1) * max(ns) <= MAX_ROWS):
+        print(f"error: --fixed-k must be >= 1 with (K + 1) x N <= {MAX_ROWS} rows a round, got {a.fixed_k} "
+              f"at N = {max(ns)}", file=sys.stderr)
         return 2
     for p in (a.target, a.model_draft):
         if p is not None and not Path(p).is_file():
