@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +22,13 @@ PURE_RUN = os.environ.get("MARS_PURE_TESTS") == "1"
 # The busy-CPU warning depends on what else runs on the machine (a test run itself): off in tests,
 # subprocesses included; tests/llama/test_busy_cpu.py and the CLI test of it turn it back on.
 os.environ["MARS_BUSY_NOTE"] = "0"
+
+# A suite started from a background job of a non-interactive shell (`make test &`, `nohup`, some CI
+# runners) inherits SIGINT ignored, and Python then leaves it so: the tests of what Ctrl-C does would
+# fail for the shell's reason, not the code's. Give this process Python's own handler, and through it
+# (a handler becomes the default across exec) every process the tests start.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The `fake_engine` fixture, for every test module (no import needed).
 pytest_plugins = ["fake_engine"]
