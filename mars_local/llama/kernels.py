@@ -45,7 +45,8 @@ def kernel_paths(system_info: str, backend: str = "cpu") -> dict[str, str]:
     tiled_q5 = cols and "FMA" in feats  # patches/0008: the tiled kernel's float steps are fused
     return {
         "F16, BF16, F32": "tinyBLAS at every batch size (one row in 8x1 tiles, each prefetching the next "
-                          "tile's rows, patches/0013; windows and prompts in stock's tiles, the same sum per element)",
+                          "tile's rows, and windows of up to 17 rows over weight rows of at most 2 KB their next "
+                          "row tile, patches/0013; windows and prompts in stock's tiles, the same sum per element)",
         "Q8_0, Q4_0, Q5_0, IQ4_NL": "tinyBLAS at every batch size (one accumulator per element whatever "
                                     "the tile; one row in 8x1 tiles and windows in 4xN tiles, each prefetching "
                                     "the next row tile, patches/0014)",

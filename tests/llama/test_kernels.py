@@ -23,7 +23,7 @@ def test_x86_with_llamafile_names_the_tile_and_every_weight_family(info):
                           "Q2_K, Q3_K, Q5_1, other IQ", "repacked weights"}
     assert "eight rows per weight row" in paths["Q4_K, Q6_K"]
     assert "order of llama.cpp's tiled kernel" in paths["Q5_K"] and "patches/0008" in paths["Q5_K"]
-    assert "8x1 tiles" in paths["F16, BF16, F32"]
+    assert "8x1 tiles" in paths["F16, BF16, F32"] and "at most 2 KB" in paths["F16, BF16, F32"]
     assert "dot kernels up to 64 rows" in paths["Q2_K, Q3_K, Q5_1, other IQ"]
     assert "tinyBLAS at every batch size" in paths["Q4_1"] and "patches/0016" in paths["Q4_1"]
     assert "measured them exact" in paths["repacked weights"]
