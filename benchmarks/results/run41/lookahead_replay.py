@@ -1,6 +1,8 @@
 """Run 41: replay the logged rounds through the adaptive controller's extend/trim arithmetic, predicting the next
 undrafted position by the pooled acceptance or by the acceptance after the last draft's confidence bucket."""
-import json, collections
+import collections
+import itertools
+import json
 log=json.load(open('benchmarks/results/run41/lookahead-keys-strict.json'))
 own=collections.defaultdict(lambda:[0,0]); after=collections.defaultdict(lambda:[0,0]); pooled=[0,0]
 for keys,n in log:
@@ -20,9 +22,10 @@ def run(costs, c, cond):
         while m<len(keys):
             an = (AF.get(keys[m-1],P) if (cond and m>0) else P)
             # gains for j>=m: known prefix product, then a_next for the first unknown, pooled after
-            pre=1.0
-            for i in range(m): pre*=A[keys[i]]
-            base=1+sum(_p for _p in __import__('itertools').accumulate([A[keys[i]] for i in range(m)], lambda x,y:x*y))
+            # the known prefix: P(all m drafted accepted) and its expected tokens
+            prods=list(itertools.accumulate((A[k] for k in keys[:m]), lambda x,y:x*y))
+            pre=prods[-1] if prods else 1.0
+            base=1+sum(prods)
             g=[base - R*(cost(m+1)+c*m)]; tot=base; run_=pre
             for j in range(m+1,len(keys)+1):
                 run_*= an if j==m+1 else P
