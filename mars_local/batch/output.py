@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
-import signal
 import stat
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from ..chat.session import short_json as _show
 from ..core.errors import MarsError
+from ..core.interrupts import held
 from .records import FORMAT, MARK, RECORD_PREFIX, id_key, is_int, valid_id
 
 try:
@@ -261,31 +259,6 @@ class OutputLock:
             os.close(fd)
 
 
-@contextlib.contextmanager
-def _ctrl_c_deferred():
-    """Ctrl-C (SIGINT) waits until the block has run, so a record is written whole and counted.
-
-    Python runs its signal handlers in the main thread whichever thread the signal reached, so
-    masking SIGINT in this thread (pthread_sigmask) does not hold it off while llama.cpp's
-    threads, which do not mask it, are there to take it: the KeyboardInterrupt could land between
-    a line's write and its count.  So the block runs under a handler that only notes the signal,
-    and the interrupt is raised after it."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # (handlers can be set from the main thread only; it is the one that writes)
-        return
-    caught: list[int] = []
-    old = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-        if caught:  # what the handler in place would have done, now, between records
-            if callable(old):
-                old(signal.SIGINT, None)
-            elif old == signal.SIG_DFL:
-                raise KeyboardInterrupt
-
-
 class RecordWriter:
     """Appends records to OUTPUT (the locked descriptor, or a device or pipe opened
     here): each line whole, then fsync'ed on a regular file.  An OS error is one
@@ -302,7 +275,7 @@ class RecordWriter:
 
     def write(self, line: str) -> None:
         data = memoryview((line + "\n").encode("utf-8"))
-        with _ctrl_c_deferred():
+        with held():  # (Ctrl-C waits until the line is written whole and counted)
             start = os.lseek(self.fd, 0, os.SEEK_END) if self.regular else None
             try:
                 while data:

@@ -84,6 +84,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..core.errors import MarsError
+from ..core.interrupts import held
 
 DEFAULT_DRAFT_MAX = 8  # mars' default draft length (GenerateConfig.draft_max); llama-server gets it too
 MARS_READY = re.compile(r"mars serve: .* on (http://\S+)/v1")
@@ -122,23 +123,24 @@ class Server:
     its last lines, so the pipe never fills."""
 
     def __init__(self, name: str, cmd: list[str], servers: list["Server"], env: dict[str, str] | None = None):
-        """Start it and add it to ``servers`` (the ones stopped at the end), Ctrl-C held back
-        meanwhile: interrupted between its fork and this list, it would outlive the bench."""
+        """Start it and add it to ``servers`` (the ones stopped at the end), Ctrl-C (and SIGTERM)
+        held back meanwhile: interrupted between its fork and this list, it would outlive the bench.
+        (Held by Python's handlers, not a signal mask, which the server would inherit: it could then
+        not be stopped with SIGINT, and :meth:`stop` would wait 10 s and kill it, losing what it learned
+        since it last saved.)"""
         self.name, self.cmd = name, cmd
         self.lines: collections.deque[str] = collections.deque(maxlen=200)
         self.url: str | None = None  # base URL, without /v1
         self._ready_url = threading.Event()
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        try:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True, errors="replace",
-                                         start_new_session=True,  # Ctrl-C reaches us, not it: we stop it
-                                         env={**os.environ, **env} if env else None)
+        with held(signal.SIGINT, signal.SIGTERM):
+            try:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                             stderr=subprocess.STDOUT, text=True, errors="replace",
+                                             start_new_session=True,  # Ctrl-C reaches us, not it: we stop it
+                                             env={**os.environ, **env} if env else None)
+            except OSError as exc:
+                raise BenchError(f"cannot start {name}: {exc}") from None
             servers.append(self)
-        except OSError as exc:
-            raise BenchError(f"cannot start {name}: {exc}") from None
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

@@ -14,11 +14,13 @@ KeyboardInterrupt.  Imports nothing of llama.cpp.
 from __future__ import annotations
 
 import _thread
+import contextlib
+import os
 import signal
 import threading
 import time
 
-__all__ = ["CALLBACK_CODES", "STOPPING_CODES", "handle_sigint", "install", "ours", "stop_asked", "take_stop",
+__all__ = ["CALLBACK_CODES", "STOPPING_CODES", "handle_sigint", "held", "install", "ours", "stop_asked", "take_stop",
            "wait_through"]
 
 # code objects of the Python functions C calls back (llama/backend.py adds its log callback's)
@@ -109,3 +111,37 @@ def wait_through(event: threading.Event, timeout: float | None = None) -> Keyboa
         except KeyboardInterrupt as exc:
             interrupted = exc
     return interrupted
+
+
+@contextlib.contextmanager
+def held(*signums: int):
+    """``signums`` (default SIGINT) wait until the block has run, then do what their handlers in
+    place would have done (a block that writes a record whole and counts it, or starts a process
+    and registers it for stopping, is never cut in two).
+
+    Held at Python's level, by handlers that only note the signal, not by a signal mask: Python
+    runs its handlers in the main thread whichever thread a signal reached, so masking it in this
+    thread does not hold it off while other threads (llama.cpp's) are there to take it; and a
+    process started under a mask inherits it through exec, so a server started there could never
+    be stopped with Ctrl-C (``mars bench --clients`` waited 10 s for each and then killed it, what
+    it learned since it last saved lost).  From the main thread only (handlers can be set there
+    only); elsewhere the block runs unguarded."""
+    signums = signums or (signal.SIGINT,)
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):  # each once, in the order they came
+            handler = old[s]
+            if callable(handler):
+                handler(s, None)
+            elif handler == signal.SIG_DFL:
+                if s == signal.SIGINT:
+                    raise KeyboardInterrupt
+                os.kill(os.getpid(), s)  # the default action (SIGTERM: the process ends)

@@ -646,7 +646,7 @@ def test_ctrl_c_during_a_record_lands_after_it_even_with_threads_that_take_it():
     KeyboardInterrupt in the middle of the block anyway (a line written but not counted)."""
     import threading
 
-    from mars_local.batch.output import _ctrl_c_deferred
+    from mars_local.core.interrupts import held
 
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)  # started before the block: SIGINT not masked in it
@@ -654,13 +654,13 @@ def test_ctrl_c_during_a_record_lands_after_it_even_with_threads_that_take_it():
     done = []
     try:
         with pytest.raises(KeyboardInterrupt):
-            with _ctrl_c_deferred():
+            with held():
                 os.kill(os.getpid(), signal.SIGINT)
                 for _ in range(2000):  # bytecodes where an interrupt could land
                     time.sleep(0)
                 done.append("counted")
         assert done == ["counted"]
-        with _ctrl_c_deferred():  # no signal: nothing raised, the handler restored
+        with held():  # no signal: nothing raised, the handler restored
             done.append("again")
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,21 @@ def test_chat_turns_reports_what_each_turn_took_from_the_cache(tiny_target, tiny
     assert all(t["ttft_ms"] > 0 for t in turns) and turns[0]["cached_tokens"] <= 2
     if parallel == 1:  # one at a time: the conversation so far comes from the cache
         assert all(t["cached_tokens"] >= turns[i]["prompt_tokens"] - 1 for i, t in enumerate(turns[1:]))
+
+
+def test_a_server_the_bench_starts_stops_on_its_sigint_not_by_a_kill():
+    """Servers are started with Ctrl-C held back (so none outlives an interrupted bench), but not by
+    a signal mask they would inherit: stop() sends SIGINT, and a server that could not see it was
+    killed after 10 s, losing what it had learned since it last saved."""
+    servers: list[serving.Server] = []
+    code = "import signal, sys, time\nprint('up', flush=True)\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n" \
+           "    print('saved', flush=True)\n    sys.exit(130)\n"
+    srv = serving.Server("a stand-in server", [sys.executable, "-c", code], servers)
+    assert servers == [srv]
+    deadline = time.monotonic() + 20
+    while "up" not in srv.lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    srv.stop()
+    assert srv.proc.returncode == 130, srv.tail()
+    time.sleep(0.2)  # (the reader thread takes the last line)
+    assert "saved" in srv.lines
