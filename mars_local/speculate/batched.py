@@ -538,9 +538,14 @@ class Scheduler:
             # context (its draft stays within it; another's longer one must not push it over)
             toks += [toks[-1]] * (min(k + 1, s.view.n_ctx - s.view.n_past) - len(toks))
             windows.append((s.view.seq_id, toks))
-        self.last_k, self.last_rows = k, sum(len(w) for _, w in windows)
+        gaps = self._gap_windows(windows, k + 1, prior)
+        self.last_k, self.last_rows = k, sum(len(w) for _, w in windows) + sum(len(w) for _, w, _ in gaps)
         t1 = clock()
-        rows = self.mc.decode_windows(windows)
+        try:
+            rows = self.mc.decode_windows(windows + [(slot, w) for slot, w, _ in gaps])[:len(windows)]
+        finally:
+            for slot, _, base in gaps:  # (computed, never read: rolled back at once)
+                self.mc.seq(slot).truncate(base)
         t_target = clock() - t1
         self.cost.observe(self.last_rows, t_target)
         drafts = [_cut(d, k) for d in drafts]
@@ -556,6 +561,41 @@ class Scheduler:
                               clock() - t0 + (t_catch if steady else 0.0), len(seqs),
                               ceiling=sum(len(d) + 1 for d in drafts))
         self._drafted_last = bool(drafting)  # (a round that did not plan drafting did not draft either)
+
+    def _gap_windows(self, windows: list, w: int, prior) -> list[tuple[int, list[int], int]]:
+        """Windows of ``w`` rows for the slots between the round's sequences that it does not
+        carry (free, or a prompt still being prefilled): ``(slot, tokens, n_past)``, computed in
+        the round's decode and rolled back at once, where one decode of them all costs less than
+        what llama.cpp does without them.  With a KV stream per sequence it puts only sequences
+        of consecutive ids in one micro-batch, so the round of slots {0, 2, 4, 6, 7} was four
+        forwards over all weights: 480 ms on the F16 stand-in where slots 0-4 took 235, and a
+        server whose clients come and go, or a batch's tail, leaves its sequences in such slots
+        (BENCHMARKS.md, run 42).  Not for a recurrent target (its state cannot go back over a
+        window) nor an MTP or EAGLE-3 drafter (they keep each row's hidden state)."""
+        slots = sorted(slot for slot, _ in windows)
+        taken = set(slots)
+        gaps = [g for g in range(slots[0], slots[-1] + 1) if g not in taken]
+        if (not gaps or self.eng.target.recurrent or self.eng.drafter_kind in ("mtp", "eagle3")
+                or (len(slots) + len(gaps)) * w > self.mc.max_rows):
+            return []
+        run_rows, n = [], 1  # the micro-batches without them: a run of consecutive slots each
+        for a, b in zip(slots, slots[1:]):
+            if b == a + 1:
+                n += 1
+            else:
+                run_rows.append(n * w)
+                n = 1
+        run_rows.append(n * w)
+        costs = self.cost.costs(prior, len(slots))
+        if costs[(len(slots) + len(gaps)) * w - 1] >= sum(costs[r - 1] for r in run_rows):
+            return []
+        out = []
+        for g in gaps:
+            v = self.mc.seq(g)
+            if v.n_past + w >= v.n_ctx:
+                return []  # (no room to compute it: the round goes as it would)
+            out.append((g, [v.tokens[-1] if v.tokens else windows[0][1][0]] * w, v.n_past))
+        return out
 
     def _plan_costly(self, seqs: list[_Seq], k_room: int) -> _Plan:
         """The round's k before a draft model drafts, every sequence at its pooled acceptance

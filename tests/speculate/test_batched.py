@@ -705,6 +705,42 @@ def test_strict_greedy_of_8_sequences_on_smollm2_equals_plain_alone(request, smo
     assert sum(s.stats.n_accepted for s in streams) > 0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_max", [0, 4])
+def test_sequences_left_in_scattered_slots_decode_in_one_micro_batch_and_stay_exact(smollm2_f16, smollm2,
+                                                                                     draft_max):
+    """Short and long answers alternate, so once the short ones end the long ones sit in slots 1, 3,
+    5, 7.  llama.cpp puts only consecutive streams in one micro-batch: those rounds were 4 forwards.
+    The free slots between them get a window too (rolled back), and every sequence's tokens still
+    equal its lone plain greedy tokens."""
+    prompts = [f"Question {i}: list {i + 2} animals and what they eat." for i in range(8)]
+    lengths = [6 if i % 2 == 0 else 30 for i in range(8)]
+    with Engine(smollm2_f16, smollm2, drafter="model", n_ctx=512, n_threads=2, learned=False) as eng:
+        want = [eng.generate(p, max_tokens=n, temperature=0, draft_max=0).tokens for p, n in zip(prompts, lengths)]
+        sch = Scheduler(eng, 8)
+        filled = []
+        real = sch._gap_windows
+
+        def spy(windows, w, prior):
+            out = real(windows, w, prior)
+            filled.append(([slot for slot, _ in windows], [slot for slot, _, _ in out]))
+            return out
+
+        sch._gap_windows = spy
+        try:
+            streams = [sch.submit(p, max_tokens=n, temperature=0, verify="strict", draft_max=draft_max,
+                                  adaptive=False) for p, n in zip(prompts, lengths)]
+            got = [[t for c in s for t in c.tokens] for s in streams]
+            cached = [list(sch.mc.seq(i).tokens) for i in range(0, 8, 2)]
+            held = [list(eng._prompt_tokens(prompts[i])) + got[i] for i in range(0, 8, 2)]
+        finally:
+            sch.close()
+    assert got == want
+    assert ([1, 3, 5, 7], [2, 4, 6]) in [(sorted(a), b) for a, b in filled]
+    # the short answers' slots hold what they held when they ended (the gap rows were rolled back)
+    assert cached == [h[:-1] for h in held]
+
+
 def _two_sample_p(a: list, b: list) -> float:
     """Chi-square two-sample test of two lists of outcomes (rare outcomes pooled)."""
     from collections import Counter
