@@ -568,7 +568,7 @@ class Scheduler:
         the round's decode and rolled back at once, where one decode of them all costs less than
         what llama.cpp does without them.  With a KV stream per sequence it puts only sequences
         of consecutive ids in one micro-batch, so the round of slots {0, 2, 4, 6, 7} was four
-        forwards over all weights: 480 ms on the F16 stand-in where slots 0-4 took 235, and a
+        forwards over all weights: 452 ms on the F16 stand-in where slots 0-4 took 223, and a
         server whose clients come and go, or a batch's tail, leaves its sequences in such slots
         (BENCHMARKS.md, run 42).  Not for a recurrent target (its state cannot go back over a
         window) nor an MTP or EAGLE-3 drafter (they keep each row's hidden state)."""

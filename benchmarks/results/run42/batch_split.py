@@ -40,7 +40,6 @@ orig_round = B.Scheduler._round
 
 
 def round_(self, seqs):
-    r0 = self.mode._rates
     orig_round(self, seqs)
     cnt['rounds drafted' if self._drafted_last else 'rounds plain'] += 1
 
